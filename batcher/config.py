@@ -1,0 +1,47 @@
+"""The engine's settings, in one dataclass (pure Python, so the CLI can build it without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_DTYPE = "float32"
+DEFAULT_DEVICE = "auto"
+
+Policy = Literal["continuous", "static"]
+POLICIES = ("continuous", "static")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine. `num_blocks` wins over `kv_cache_bytes` when both are given."""
+
+    model: str = DEFAULT_MODEL
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_model_len: int | None = None
+    dtype: str = DEFAULT_DTYPE
+    device: str = DEFAULT_DEVICE
+    policy: Policy = "continuous"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -1,0 +1,120 @@
+"""The wire format between producers, workers and consumers (pydantic, no torch).
+
+A job's single argument is `GenerationRequest.model_dump(mode="json")`; a worker validates it
+with `GenerationRequest.model_validate` and fails the job with the validation message.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_PROMPT_BYTES = 1 << 20
+MAX_PROMPT_TOKEN_IDS = 1 << 17
+MAX_TOKENS_LIMIT = 1 << 15
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_MESSAGES = 1024
+MAX_METADATA_ITEMS = 64
+DEFAULT_MAX_TOKENS = 256
+
+FinishReason = Literal["stop", "length", "cancelled", "timeout"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingParams(_Strict):
+    """How to pick tokens and when to stop. `temperature=0` is greedy decoding."""
+
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1 << 20, description="0 turns top-k off")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_sane(cls, value: list[str]) -> list[str]:
+        for s in value:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class GenerationRequest(_Strict):
+    """One generation: exactly one of `prompt`, `messages` or `prompt_token_ids`."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    prompt_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    priority: int = Field(0, ge=0, le=9, description="0 is the most urgent")
+    timeout_s: float | None = Field(None, gt=0, le=7 * 86400, description="longest run time once admitted")
+    deadline: datetime | None = Field(None, description="fail the job if it has not started by then")
+    metadata: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=MAX_METADATA_ITEMS)
+
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _token_ids_in_range(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(t < 0 or t >= 1 << 31 for t in value):
+            raise ValueError("token ids must be in [0, 2**31)")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> GenerationRequest:
+        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, messages or prompt_token_ids (got {len(given)})")
+        size = len(self.prompt.encode("utf-8", "surrogatepass")) if self.prompt is not None else 0
+        size += sum(len(m.content.encode("utf-8", "surrogatepass")) for m in self.messages or ())
+        if size > MAX_PROMPT_BYTES:
+            raise ValueError(f"the prompt is {size} bytes; the limit is {MAX_PROMPT_BYTES}")
+        return self
+
+
+class Usage(_Strict):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(_Strict):
+    """Seconds: waiting in the queue, to the first token, and from admission to the end."""
+
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+
+class GenerationResult(_Strict):
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings = Field(default_factory=Timings)
+    worker: str | None = None
+    model: str | None = None

@@ -1,0 +1,121 @@
+"""Paged attention over a ragged batch: the torch reference (runs anywhere, used on CPU).
+
+A step's new tokens of all sequences are concatenated into one row. Decode tokens (one query
+per sequence) come first, then prefill chunks. Keys and values live in a paged cache per layer,
+`[num_blocks * block_size, kv_heads, head_dim]`, addressed by slot numbers.
+
+`paged_attention` has the signature of a transformers attention function; the runner registers
+it and passes the step's `AttentionMetadata` as the `attn_metadata` keyword of the model call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "batcher_paged"
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's prompt chunk: rows `[q_start, q_start + q_len)` of the batch, at cache
+    positions `[ctx_start, ctx_start + q_len)`. `context_slots` addresses all its keys so far,
+    or is None when the chunk is the whole context (first chunk: attend to the fresh keys)."""
+
+    q_start: int
+    q_len: int
+    ctx_start: int
+    context_slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    num_decodes: int  # the first rows: one query token per sequence
+    decode_slots: torch.Tensor | None  # [B, Lmax] cache slots of each decode's keys (padded)
+    decode_context_lens: torch.Tensor | None  # [B]
+    prefills: list[PrefillSpan]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys and values `[T, kv_heads, head_dim]` at their cache slots."""
+    k_cache.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal (and optionally sliding-window) visibility of keys to queries, True = attend."""
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    return mask
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx_start: int,
+                      scaling: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of one chunk `query [n, H, D]` over its context `key/value [L, Hkv, D]`,
+    where the chunk's tokens are the last n of the L context positions."""
+    n, length = query.shape[0], key.shape[0]
+    q = query.transpose(0, 1).unsqueeze(0)
+    k = key.transpose(0, 1).unsqueeze(0)
+    v = value.transpose(0, 1).unsqueeze(0)
+    if ctx_start == 0 and sliding_window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        q_pos = torch.arange(length - n, length, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(length, device=query.device).unsqueeze(0)
+        mask = _window_mask(q_pos, k_pos, sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, context_lens: torch.Tensor, scaling: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Batched attention of one query per sequence `query [B, H, D]` over paged keys.
+
+    `slots [B, Lmax]` addresses each sequence's keys, padded; `context_lens [B]` masks the padding."""
+    k = k_cache[slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
+    v = v_cache[slots].transpose(1, 2)
+    k_pos = torch.arange(slots.shape[1], device=query.device).unsqueeze(0)
+    q_pos = (context_lens - 1).unsqueeze(1)
+    mask = _window_mask(q_pos, k_pos, sliding_window)[:, None, None, :]
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), k.to(query.dtype), v.to(query.dtype),
+                                         attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, attn_metadata: AttentionMetadata | None = None, **kwargs):
+    """The transformers attention function: `query [1, H, T, D]`, `key/value [1, Hkv, T, D]`,
+    returns `([1, T, H, D], None)`."""
+    if attn_metadata is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's attn_metadata; "
+                           "run the model through workers.runner.ModelRunner")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention softcapping and sinks are not supported")
+    md = attn_metadata
+    scaling = module.scaling if scaling is None else scaling
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    k_cache, v_cache = md.kv_caches[module.layer_idx]
+    write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+
+    out = torch.empty_like(q)
+    if md.num_decodes:
+        out[: md.num_decodes] = decode_attention(q[: md.num_decodes], k_cache, v_cache, md.decode_slots,
+                                                 md.decode_context_lens, scaling, sliding_window)
+    for span in md.prefills:
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        if span.context_slots is None:
+            ctx_k, ctx_v = k[rows], v[rows]
+        else:
+            ctx_k = k_cache[span.context_slots].to(q.dtype)
+            ctx_v = v_cache[span.context_slots].to(q.dtype)
+        out[rows] = prefill_attention(q[rows], ctx_k, ctx_v, span.ctx_start, scaling, sliding_window)
+    return out.unsqueeze(0), None

@@ -1,0 +1,1 @@
+"""The GPU-side runtime: model loading, the engine, and the Redis worker."""

@@ -1,0 +1,59 @@
+"""Incremental detokenization with stop strings.
+
+Decoding token by token breaks multi-byte characters and word-boundary spaces, so each new
+token is decoded together with a few tokens before it, and text is released only once it no
+longer ends in a partial character (U+FFFD). Text that could still turn into a stop string is
+held back until it cannot.
+"""
+
+from __future__ import annotations
+
+PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+        self._released = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the text that is now final."""
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
+            return ""
+        new = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += new
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+        if self.stopped:
+            return self.flush()
+        ready = len(self.text) - self._holdback
+        if ready <= self._released:
+            return ""
+        delta, self._released = self.text[self._released : ready], ready
+        return delta
+
+    def flush(self) -> str:
+        """Release everything held back (the sequence has finished)."""
+        delta, self._released = self.text[self._released :], len(self.text)
+        return delta

@@ -1,0 +1,253 @@
+"""The engine: `add`, `step`, `abort`, `has_work`. It glues the scheduler, the model runner,
+the sampler and the detokenizer; it knows nothing of Redis.
+
+Each `step()` runs one scheduling decision and one forward, and returns what changed for each
+request: new tokens and text, and a finish reason when the request is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from batcher.blocks import blocks_needed
+from batcher.config import EngineConfig
+from batcher.scheduler import ScheduledBatch, Scheduler, Sequence
+from batcher.schema import GenerationRequest
+from workers.detokenize import IncrementalDetokenizer
+from workers.models import LoadedModel
+from workers.runner import ModelRunner
+from workers.sampling import Sampler
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long, bad token ids, no chat template...)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. `text` and `token_ids` are the totals so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class StepStats:
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_preempted: int
+    duration_s: float
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    new_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.runner = ModelRunner(loaded, config)
+        self.scheduler = Scheduler(config, self.runner.make_allocator())
+        self.sampler = Sampler(self.runner.device)
+        limits = [v for v in (config.max_model_len, loaded.max_position_embeddings) if v]
+        self.max_model_len = min(limits) if limits else 1 << 20
+        self.step_index = 0
+        self.last_step: StepStats | None = None
+        self._requests: dict[str, _Request] = {}
+
+    # ----- the public API -----
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
+        """Queue a request. Raises RequestError, and keeps nothing, if it can never be served."""
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in the engine")
+        prompt_ids = self.tokenize(request)
+        self._check_servable(prompt_ids, request)
+        seq = Sequence(request_id, prompt_ids, request.sampling,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, request.sampling.stop)
+        self._requests[request_id] = _Request(seq, detok)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def free_slots(self) -> int:
+        """How many more requests could join without waiting for a slot."""
+        return self.scheduler.free_slots
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        """End a request now, keeping what it generated. None if the engine does not hold it."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        req.delta_text += req.detokenizer.flush()
+        return self._finish(req, reason)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; return an output for every request that changed."""
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        outputs: list[RequestOutput] = []
+        for seq in batch.num_tokens:
+            if seq.first_scheduled_step is None:
+                seq.first_scheduled_step = self.step_index
+        sampled = self._run(batch, outputs)
+        now = time.monotonic()
+        for seq, token in sampled.items():
+            req = self._requests[seq.request_id]
+            try:
+                outputs.append(self._accept(req, token, now))
+            except Exception as exc:  # one request's post-processing must not take down the batch
+                log.exception("request %s failed after sampling", seq.request_id)
+                outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
+        self.last_step = StepStats(
+            step=self.step_index,
+            num_seqs=len(batch.num_tokens),
+            num_tokens=batch.total_tokens,
+            num_prefill_tokens=sum(n for n in batch.num_tokens.values() if n > 1),
+            num_preempted=len(batch.preempted),
+            duration_s=time.perf_counter() - started,
+        )
+        self.step_index += 1
+        return outputs
+
+    # ----- helpers -----
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        tokenizer = self.loaded.tokenizer
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
+            messages = [m.model_dump() for m in request.messages]
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        return list(tokenizer(request.prompt)["input_ids"])
+
+    def _check_servable(self, prompt_ids: list[int], request: GenerationRequest) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                               f"{self.max_model_len} (max_model_len), with room needed for at least one new token")
+        bad = next((t for t in prompt_ids if t >= self.loaded.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (size {self.loaded.vocab_size})")
+        longest = min(len(prompt_ids) + request.sampling.max_tokens, self.max_model_len)
+        allocator = self.scheduler.allocator
+        if blocks_needed(longest, allocator.block_size) > allocator.num_blocks:
+            raise RequestError(f"the request may need {longest} tokens of KV cache; the whole cache holds "
+                               f"{allocator.num_blocks * allocator.block_size}")
+
+    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> dict[Sequence, int]:
+        """Run the batch; if the forward raises, rerun each sequence alone and fail only the culprits."""
+        try:
+            return self._forward(batch)
+        except Exception as exc:
+            if len(batch.num_tokens) == 1:
+                seq = next(iter(batch.num_tokens))
+                log.exception("request %s failed in the forward", seq.request_id)
+                outputs.append(self._fail(self._requests[seq.request_id], f"{type(exc).__name__}: {exc}"))
+                return {}
+            log.warning("a batch of %d failed (%s); isolating the culprit", len(batch.num_tokens), exc)
+        sampled: dict[Sequence, int] = {}
+        for seq, n in batch.num_tokens.items():
+            sampled.update(self._run(ScheduledBatch({seq: n}), outputs))
+        return sampled
+
+    def _forward(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        logits, seqs = self.runner.execute(batch)
+        tokens = self.sampler.sample(logits, seqs)
+        for seq, n in batch.num_tokens.items():
+            seq.num_computed_tokens += n
+        return dict(zip(seqs, tokens))
+
+    def _accept(self, req: _Request, token: int, now: float) -> RequestOutput:
+        seq = req.seq
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        req.new_token_ids.append(token)
+        req.delta_text += req.detokenizer.push(token)
+        reason = self._stop_reason(seq, token, req.detokenizer.stopped)
+        if reason:
+            req.delta_text += req.detokenizer.flush()
+            return self._finish(req, reason)
+        return self._emit(req)
+
+    def _stop_reason(self, seq: Sequence, token: int, stop_string: bool) -> str | None:
+        if stop_string or (token in self.loaded.eos_token_ids and not seq.sampling.ignore_eos):
+            return "stop"
+        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _emit(self, req: _Request, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
+        out = RequestOutput(
+            request_id=req.seq.request_id,
+            new_token_ids=req.new_token_ids,
+            delta_text=req.delta_text,
+            text=req.detokenizer.text,
+            token_ids=req.seq.output_token_ids,
+            num_prompt_tokens=req.seq.num_prompt_tokens,
+            finish_reason=finish_reason,
+            error=error,
+        )
+        req.new_token_ids, req.delta_text = [], ""
+        return out
+
+    def _finish(self, req: _Request, reason: str) -> RequestOutput:
+        self._release(req, reason)
+        return self._emit(req, finish_reason=reason)
+
+    def _fail(self, req: _Request, error: str) -> RequestOutput:
+        self._release(req, "error")
+        return self._emit(req, error=error)
+
+    def _release(self, req: _Request, reason: str) -> None:
+        seq = req.seq
+        self.scheduler.finish(seq, reason)
+        seq.finished_step = self.step_index
+        self.sampler.forget(seq.request_id)
+        del self._requests[seq.request_id]
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load `config.model` and build an engine around it."""
+    from workers.models import load_model
+    from workers.runner import DTYPES
+
+    torch.set_grad_enabled(False)
+    return Engine(load_model(config.model, DTYPES[config.dtype]), config)

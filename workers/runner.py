@@ -1,0 +1,110 @@
+"""Runs one forward per engine step over a ragged batch, with the paged KV cache.
+
+The runner only executes: it gets `{sequence: n_tokens}` from the scheduler, packs every
+sequence's new tokens into one row with explicit positions and cache slots, and returns the
+logits of the sequences that sample this step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batcher.blocks import BlockAllocator
+from batcher.config import EngineConfig
+from batcher.scheduler import ScheduledBatch, Sequence
+from kernels.attention import AttentionMetadata, PrefillSpan
+from workers.models import LoadedModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a model, read from its config."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.block_size
+        self.model = loaded.model.to(device=self.device, dtype=self.dtype)
+        layers, kv_heads, head_dim = kv_shape(self.model)
+        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
+        self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
+        slots = self.num_blocks * config.block_size
+        self.kv_caches = [
+            (torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device),
+             torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device))
+            for _ in range(layers)
+        ]
+
+    def make_allocator(self) -> BlockAllocator:
+        return BlockAllocator(self.num_blocks, self.block_size)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _decode_slots(self, decodes: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+        width = max(len(s.block_table) for s in decodes)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
+        positions = torch.arange(int(lens.max()))
+        slots = tables[:, positions // self.block_size] * self.block_size + positions % self.block_size
+        return slots.to(self.device), lens.to(self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
+        K sequences whose prompt is now fully computed, in the order returned."""
+        decodes = [s for s, n in batch.num_tokens.items() if n == 1]
+        prefills = [(s, n) for s, n in batch.num_tokens.items() if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        spans: list[PrefillSpan] = []
+        sampling: list[Sequence] = []
+        last_rows: list[int] = []
+        for seq, n in [(s, 1) for s in decodes] + prefills:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq, start, end))
+            if n > 1:
+                context = None if start == 0 else torch.tensor(self._slots(seq, 0, end), device=self.device)
+                spans.append(PrefillSpan(row, n, start, context))
+            if end == seq.num_tokens:
+                sampling.append(seq)
+                last_rows.append(row + n - 1)
+
+        decode_slots, decode_lens = self._decode_slots(decodes) if decodes else (None, None)
+        metadata = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            num_decodes=len(decodes),
+            decode_slots=decode_slots,
+            decode_context_lens=decode_lens,
+            prefills=spans,
+        )
+        if not sampling:
+            last_rows = [len(input_ids) - 1]  # the LM head needs at least one row; its logits are unused
+        out = self.model(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(last_rows, device=self.device),
+            attn_metadata=metadata,
+        )
+        return out.logits[0, : len(sampling)].float(), sampling
