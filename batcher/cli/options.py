@@ -1,0 +1,47 @@
+"""Options shared by commands that run an engine, each readable from a BATCHER_* variable."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from batcher import config as c
+
+
+def engine_options(func):
+    """Add the engine knobs to a command; the command receives `engine_config: EngineConfig`."""
+    options = [
+        click.option("--model", default=c.DEFAULT_MODEL, envvar="BATCHER_MODEL", show_default=True,
+                     help="A local model folder, a hub id, or 'smollm2' (the bundled SmolLM2-135M-Instruct)."),
+        click.option("--policy", type=click.Choice(c.POLICIES), default="continuous", envvar="BATCHER_POLICY",
+                     show_default=True, help="continuous batching, or the static baseline."),
+        click.option("--max-num-seqs", type=click.IntRange(1), default=c.DEFAULT_MAX_NUM_SEQS,
+                     envvar="BATCHER_MAX_NUM_SEQS", show_default=True, help="Slots: sequences in one step."),
+        click.option("--max-num-batched-tokens", type=click.IntRange(1), default=c.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                     envvar="BATCHER_MAX_NUM_BATCHED_TOKENS", show_default=True,
+                     help="Token budget of one step; prompts longer than this are prefilled in chunks."),
+        click.option("--block-size", type=click.IntRange(1), default=c.DEFAULT_BLOCK_SIZE,
+                     envvar="BATCHER_BLOCK_SIZE", show_default=True, help="Tokens per KV-cache block."),
+        click.option("--num-blocks", type=click.IntRange(1), default=None, envvar="BATCHER_NUM_BLOCKS",
+                     help="KV-cache blocks (default: as many as --kv-cache-bytes holds)."),
+        click.option("--kv-cache-bytes", type=click.IntRange(1), default=c.DEFAULT_KV_CACHE_BYTES,
+                     envvar="BATCHER_KV_CACHE_BYTES", show_default=True, help="Memory budget of the KV cache."),
+        click.option("--max-model-len", type=click.IntRange(2), default=None, envvar="BATCHER_MAX_MODEL_LEN",
+                     help="Longest prompt plus output (default: the model's context)."),
+        click.option("--dtype", type=click.Choice(c.DTYPES), default=c.DEFAULT_DTYPE, envvar="BATCHER_DTYPE",
+                     show_default=True),
+        click.option("--device", default=c.DEFAULT_DEVICE, envvar="BATCHER_DEVICE", show_default=True,
+                     help="cpu, cuda, cuda:1 ... or auto."),
+    ]
+    names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
+             "kv_cache_bytes", "max_model_len", "dtype", "device"]
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        kwargs["engine_config"] = c.EngineConfig(**{n: kwargs.pop(n) for n in names})
+        return func(*args, **kwargs)
+
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper

@@ -1,0 +1,21 @@
+import pytest
+
+from tests.tiny_models import FAMILIES, build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Build each tiny model family once per test session: tiny_model_dir("llama") -> Path."""
+    built = {}
+
+    def get(family: str = "llama"):
+        if family not in built:
+            built[family] = build_tiny_model(family, tmp_path_factory.mktemp(f"tiny-{family}"))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param

@@ -1,0 +1,63 @@
+"""Tiny transformers models and a locally trained tokenizer, saved with `save_pretrained`.
+
+Nothing is downloaded: the tokenizer is trained here with `tokenizers`, and the weights are
+random (seeded) from a config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
+                          Qwen2Config)
+
+VOCAB_SIZE = 384
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Continuous batching decides the batch again at every step.",
+    "A long document prefilled in one piece stalls every running decode.",
+    "Summarise this document in three sentences, please.",
+    "Redis streams carry tokens to the consumers while they are generated.",
+    "Ünïcödé characters like café, naïve, 東京 and emoji 🙂 must survive detokenization.",
+] * 20
+
+COMMON = dict(vocab_size=VOCAB_SIZE, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
+FAMILIES = {
+    "llama": lambda: LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, **COMMON),
+    "qwen2": lambda: Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=1, **COMMON),
+    "mistral": lambda: MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=24, **COMMON),
+    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=VOCAB_SIZE,
+                               bos_token_id=1, eos_token_id=2),
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny_model(family: str, path: Path) -> Path:
+    """Write a tiny random model of `family` and the tokenizer to `path`; return `path`."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family]())
+    with torch.no_grad():  # a wider logit spread makes greedy ties (and flaky comparisons) unlikely
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else None
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
