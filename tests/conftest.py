@@ -1,6 +1,10 @@
-import pytest
+import os
 
-from tests.tiny_models import FAMILIES, build_tiny_model
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded in tests; fail fast instead of retrying
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -186,6 +186,7 @@ class Engine:
             sampled.update(self._run(ScheduledBatch({seq: n}), outputs))
         return sampled
 
+    @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         logits, seqs = self.runner.execute(batch)
         tokens = self.sampler.sample(logits, seqs)

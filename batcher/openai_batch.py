@@ -1,0 +1,95 @@
+"""The OpenAI batch file format: one request per line in, one response per line out.
+
+In:  {"custom_id": ..., "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body": {...}}
+Out: {"custom_id": ..., "response": {"status_code": 200, "body": {...}}, "error": null}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from batcher.schema import GenerationRequest, GenerationResult
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                   "repetition_penalty")
+IGNORED_BODY_FIELDS = ("model", "n", "stream", "user")
+
+
+def readable(exc: ValidationError) -> str:
+    """One line per problem, naming the field: what pydantic says, without its URLs."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "request"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_batch_line(line: str) -> tuple[str | None, GenerationRequest]:
+    """Parse one input line into `(custom_id, request)`; raise ValueError with a readable reason.
+
+    The custom_id is returned on the exception as `exc.custom_id` when it could be read."""
+    custom_id = None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BatchLineError(None, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(obj, dict):
+        raise BatchLineError(None, "each line must be a JSON object")
+    custom_id = obj.get("custom_id")
+    if custom_id is not None and not isinstance(custom_id, str):
+        raise BatchLineError(None, "custom_id must be a string")
+    url, body = obj.get("url"), obj.get("body")
+    if obj.get("method", "POST") != "POST":
+        raise BatchLineError(custom_id, "method must be POST")
+    if url not in (COMPLETIONS_URL, CHAT_URL):
+        raise BatchLineError(custom_id, f"url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}")
+    if not isinstance(body, dict):
+        raise BatchLineError(custom_id, "body must be a JSON object")
+    unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - {"prompt", "messages"}
+    if unknown:
+        raise BatchLineError(custom_id, f"unsupported body fields: {', '.join(sorted(unknown))}")
+    request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
+    if url == CHAT_URL:
+        request["messages"] = body.get("messages")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            request["prompt_token_ids"] = prompt
+        else:
+            request["prompt"] = prompt
+    try:
+        return custom_id, GenerationRequest.model_validate(request)
+    except ValidationError as exc:
+        raise BatchLineError(custom_id, readable(exc)) from None
+
+
+class BatchLineError(ValueError):
+    def __init__(self, custom_id: str | None, message: str) -> None:
+        super().__init__(message)
+        self.custom_id = custom_id
+
+
+def response_line(custom_id: str | None, result: GenerationResult) -> dict:
+    return {
+        "custom_id": custom_id,
+        "response": {
+            "status_code": 200,
+            "body": {
+                "choices": [{"index": 0, "text": result.text, "token_ids": result.token_ids,
+                             "finish_reason": result.finish_reason}],
+                "usage": {"prompt_tokens": result.usage.prompt_tokens,
+                          "completion_tokens": result.usage.completion_tokens,
+                          "total_tokens": result.usage.total_tokens},
+            },
+        },
+        "error": None,
+    }
+
+
+def error_line(custom_id: str | None, message: str, code: str = "invalid_request") -> dict:
+    return {"custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}

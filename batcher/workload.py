@@ -1,0 +1,54 @@
+"""Benchmark workload files (format in `../shared/bench/README.md`; copies bundled in batcher/data).
+
+Each line is one request: {"id": "r0", "prompt_len": 37, "max_tokens": 10, "arrival_s": 0.0}.
+The prompt of the request on line i is `prompt_len` ids drawn from `random.Random(i)`, so every
+system that runs a workload sees the same token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+PROMPT_ID_MARGIN = 100
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    index: int
+    id: str
+    prompt_len: int
+    max_tokens: int
+    arrival_s: float
+
+    def prompt_token_ids(self, vocab_size: int) -> list[int]:
+        rng = random.Random(self.index)
+        return [rng.randrange(PROMPT_ID_MARGIN, vocab_size - PROMPT_ID_MARGIN) for _ in range(self.prompt_len)]
+
+
+def bundled_workloads() -> list[str]:
+    return sorted(p.name.removesuffix(".jsonl") for p in resources.files("batcher.data").iterdir()
+                  if p.name.endswith(".jsonl") and not p.name.startswith("samples"))
+
+
+def workload_path(name_or_path: str) -> Path:
+    """A file path, or the name of a bundled workload such as `skew-small`."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    if name_or_path in bundled_workloads():
+        return Path(str(resources.files("batcher.data") / f"{name_or_path}.jsonl"))
+    raise FileNotFoundError(f"no workload file {name_or_path!r}; bundled: {', '.join(bundled_workloads())}")
+
+
+def load_workload(name_or_path: str) -> list[WorkloadRequest]:
+    rows = []
+    with open(workload_path(name_or_path)) as f:
+        for index, line in enumerate(line for line in f if line.strip()):
+            obj = json.loads(line)
+            rows.append(WorkloadRequest(index, str(obj["id"]), int(obj["prompt_len"]), int(obj["max_tokens"]),
+                                        float(obj.get("arrival_s", 0.0))))
+    return rows

@@ -1,0 +1,49 @@
+"""Shared by the engine tests: build an engine on a tiny model, run it dry, and the reference."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from batcher.config import EngineConfig
+from batcher.schema import GenerationRequest, SamplingParams
+from workers.engine import Engine, build_engine
+
+_references: dict[str, torch.nn.Module] = {}
+
+
+def engine_for(model_dir, **config) -> Engine:
+    return build_engine(EngineConfig(model=str(model_dir), **config))
+
+
+def greedy(prompt_ids, max_tokens, **sampling) -> GenerationRequest:
+    return GenerationRequest(prompt_token_ids=prompt_ids,
+                             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+def random_prompts(n, seed=0, min_len=1, max_len=40, vocab=384):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def run_all(engine: Engine) -> dict:
+    """Step until idle; return the final output of every request."""
+    finals = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def reference_tokens(model_dir, prompt_ids, max_tokens) -> list[int]:
+    """`model.generate` on this request alone: greedy, fp32, exactly max_tokens (EOS not special)."""
+    key = str(model_dir)
+    if key not in _references:
+        _references[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    out = _references[key].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,41 @@
+"""`batcher run` end to end on a tiny model: results in input order, bad lines as error lines."""
+
+import json
+
+from click.testing import CliRunner
+
+from batcher.cli import main
+from tests.engine_helpers import reference_tokens
+
+
+def test_run_writes_results_in_order_and_survives_bad_lines(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("qwen2")
+    lines = [
+        {"custom_id": "long", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7, 8], "max_tokens": 12, "ignore_eos": True}},
+        "this is not json",
+        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": list(range(3, 200)), "max_tokens": 4}},
+        {"custom_id": "short", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [9, 10], "max_tokens": 2, "ignore_eos": True}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "seed": 7,
+                  "temperature": 0.8}},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    dst = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(dst),
+                                       "--max-model-len", "128", "--max-num-batched-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["long", None, "too-long", "short", "chat"]
+    long = out[0]["response"]["body"]
+    assert long["choices"][0]["token_ids"] == reference_tokens(model, [5, 6, 7, 8], 12)
+    assert long["choices"][0]["finish_reason"] == "length"
+    assert long["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+    assert "not valid JSON" in out[1]["error"]["message"] and out[1]["response"] is None
+    assert "max_model_len" in out[2]["error"]["message"]
+    assert out[3]["response"]["body"]["choices"][0]["token_ids"] == reference_tokens(model, [9, 10], 2)
+    assert len(out[4]["response"]["body"]["choices"][0]["token_ids"]) <= 3
+    assert "3 succeeded, 2 failed" in result.output

@@ -1,0 +1,32 @@
+"""Incremental detokenization: deltas concatenate to the full decode, across multi-byte characters."""
+
+from tests.tiny_models import build_tokenizer
+from workers.detokenize import IncrementalDetokenizer
+
+TEXT = "Ünïcödé: café, naïve, 東京 and emoji 🙂 must survive."
+
+
+def test_deltas_equal_the_full_decode_across_multibyte_characters():
+    tok = build_tokenizer()
+    ids = tok(TEXT)["input_ids"]
+    split = next(k for k in range(3, len(ids)) if TEXT.startswith(tok.decode(ids[:k])))  # a character boundary
+    prompt, generated = ids[:split], ids[split:]
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.push(t) for t in generated] + [detok.flush()]
+    assert "".join(deltas) == TEXT[len(tok.decode(prompt)):]
+    assert all("\ufffd" not in d for d in deltas), "a partial character was released"
+    assert sum(1 for d in deltas if d) > 5  # released incrementally, not all at the end
+
+
+def test_stop_string_cuts_text_and_is_never_streamed():
+    tok = build_tokenizer()
+    ids = tok(TEXT)["input_ids"]
+    detok = IncrementalDetokenizer(tok, ids[:1], stop=["naïve"])
+    streamed = ""
+    for t in ids[1:]:
+        streamed += detok.push(t)
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert detok.text == tok.decode(ids[1:])[: tok.decode(ids[1:]).index("naïve")]
+    assert streamed == detok.text

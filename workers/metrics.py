@@ -1,0 +1,172 @@
+"""Prometheus metrics of one worker's engine, and the HTTP endpoint that serves them.
+
+Names follow vLLM's (`vllm:num_requests_running` becomes `batcher_num_requests_running`), so that
+dashboards and alerts written for vLLM translate directly. Every series carries `model_name`;
+the worker's identity comes from the scrape target (`instance`, `pod`), not from a label, so a
+restarted worker does not start new series.
+
+The worker calls, from its engine loop:
+  - `observe_added(seq)` for each request it adds to the engine (`Engine.add` returns `seq`),
+  - `observe_step(outputs)` after each `Engine.step()`,
+  - `observe_finished(request_id, reason, ...)` once for each request that ends, however it ends,
+  - `set_queue_depth(queue, n)` whenever it has read a queue's length.
+The gauges of the engine's state are read when Prometheus scrapes, so they cost the loop nothing
+and stay right while the engine is idle.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import prometheus_client
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from batcher.schema import FinishReason
+
+if TYPE_CHECKING:
+    from http.server import HTTPServer
+
+    from batcher.scheduler import Sequence
+    from workers.engine import Engine, RequestOutput
+
+# Loopback unless the operator asks for more: the endpoint has no authentication, and it tells
+# anyone who can reach it about the load. Containers pass 0.0.0.0 explicitly.
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+
+# A request that ended in an error rather than with one of the schema's finish reasons.
+ERROR_REASON = "error"
+FINISHED_REASONS = (*typing.get_args(FinishReason), ERROR_REASON)
+
+# Histogram buckets, in seconds but for the batch size. A batch job's queue time and end-to-end
+# latency run from under a second to a day.
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                         0.75, 1.0, 2.5, 5.0, 10.0)
+FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                       80.0, 160.0, 640.0)
+REQUEST_LATENCY_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
+                           3600.0, 3 * 3600.0, 12 * 3600.0, 24 * 3600.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+MODEL_LABEL = "model_name"
+
+
+@dataclass
+class _Tracked:
+    """What the metrics remember of one request in the engine: when its last token came."""
+
+    seq: Sequence
+    last_token_time: float | None = None
+
+
+class EngineMetrics:
+    """The metrics of one engine. One per process on the default registry; tests pass their own."""
+
+    def __init__(self, engine: Engine, registry: CollectorRegistry | None = None) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        self._engine = engine
+        self._tracked: dict[str, _Tracked] = {}
+        self._last_step_seen: int | None = None
+        model = engine.loaded.name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, [MODEL_LABEL], registry=self.registry).labels(model)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, [MODEL_LABEL], registry=self.registry).labels(model)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, [MODEL_LABEL], buckets=buckets, registry=self.registry).labels(model)
+
+        scheduler = engine.scheduler
+        gauge("batcher_num_requests_running", "Requests in the engine's running batch.").set_function(
+            lambda: len(scheduler.running))
+        gauge("batcher_num_requests_waiting", "Requests in the engine, waiting for a slot or KV blocks.").set_function(
+            lambda: len(scheduler.waiting))
+        gauge("batcher_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).").set_function(
+            lambda: scheduler.allocator.usage)
+        self._queue_depth = Gauge("batcher_queue_depth", "Jobs waiting in a Redis queue, as this worker last read it.",
+                                  ["queue"], registry=self.registry)
+
+        self._ttft = histogram("batcher_time_to_first_token_seconds",
+                               "From arrival in the engine to the first generated token.", FIRST_TOKEN_BUCKETS)
+        self._itl = histogram("batcher_inter_token_latency_seconds",
+                              "Between two consecutive generated tokens of one request.", TOKEN_LATENCY_BUCKETS)
+        self._queue_time = histogram("batcher_request_queue_time_seconds",
+                                     "From enqueue in Redis to admission into the engine.", REQUEST_LATENCY_BUCKETS)
+        self._e2e = histogram("batcher_e2e_request_latency_seconds",
+                              "From enqueue in Redis to the end of the request.", REQUEST_LATENCY_BUCKETS)
+        self._step_duration = histogram("batcher_step_duration_seconds",
+                                        "Wall time of one engine step: schedule, forward, sample.",
+                                        TOKEN_LATENCY_BUCKETS)
+        self._batch_size = histogram("batcher_batch_size", "Sequences computed in one engine step.",
+                                     BATCH_SIZE_BUCKETS)
+
+        self._prompt_tokens = counter("batcher_prompt_tokens_total",
+                                      "Prompt tokens of requests that started generating.")
+        self._generation_tokens = counter("batcher_generation_tokens_total", "Generated tokens.")
+        self._preemptions = counter("batcher_num_preemptions_total",
+                                    "Sequences preempted (KV blocks freed, to be recomputed).")
+        success = Counter("batcher_request_success_total", "Requests that ended, by finish reason.",
+                          [MODEL_LABEL, "finished_reason"], registry=self.registry)
+        # Every reason exists from the start at 0, so rate() sees the first request of each.
+        self._finished = {reason: success.labels(model, reason) for reason in FINISHED_REASONS}
+
+    def observe_added(self, seq: Sequence) -> None:
+        """Start timing a request that has just been added to the engine."""
+        self._tracked[seq.request_id] = _Tracked(seq)
+
+    def observe_step(self, outputs: list[RequestOutput]) -> None:
+        """Record the step the engine has just run and the tokens it produced.
+
+        Token timings are the engine's own timestamps; each output carries one new token.
+        """
+        stats = self._engine.last_step
+        if stats is not None and stats.step != self._last_step_seen:  # step() had nothing to run otherwise
+            self._last_step_seen = stats.step
+            self._step_duration.observe(stats.duration_s)
+            self._batch_size.observe(stats.num_seqs)
+            if stats.num_preempted:
+                self._preemptions.inc(stats.num_preempted)
+        generated = 0
+        for out in outputs:
+            if not out.new_token_ids:
+                continue
+            generated += len(out.new_token_ids)
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            now = tracked.seq.last_token_time
+            if tracked.last_token_time is None:
+                self._ttft.observe(now - tracked.seq.arrival_time)
+                self._prompt_tokens.inc(out.num_prompt_tokens)
+            else:
+                self._itl.observe(now - tracked.last_token_time)
+            tracked.last_token_time = now
+        if generated:
+            self._generation_tokens.inc(generated)
+
+    def observe_finished(self, request_id: str, reason: str, queue_s: float | None = None,
+                         e2e_s: float | None = None) -> None:
+        """Count a request that ended (`reason`: a finish reason or "error") and forget it.
+
+        `queue_s` (to admission) and `e2e_s` (to the end) are measured from the job's enqueue in
+        Redis; None when unknown, as for a job that failed before it was admitted.
+        """
+        if reason not in self._finished:
+            raise ValueError(f"unknown finish reason {reason!r}; expected one of {', '.join(FINISHED_REASONS)}")
+        self._tracked.pop(request_id, None)
+        self._finished[reason].inc()
+        if queue_s is not None:
+            self._queue_time.observe(queue_s)
+        if e2e_s is not None:
+            self._e2e.observe(e2e_s)
+
+    def set_queue_depth(self, queue: str, depth: int) -> None:
+        self._queue_depth.labels(queue).set(depth)
+
+    def start_http_server(self, port: int, addr: str = DEFAULT_METRICS_ADDR) -> HTTPServer:
+        """Serve /metrics from a daemon thread; port 0 picks a free port (see `server.server_port`)."""
+        server, _thread = prometheus_client.start_http_server(port, addr, registry=self.registry)
+        return server

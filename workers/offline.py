@@ -1,0 +1,60 @@
+"""`batcher run`: an OpenAI-format batch file through the engine, without Redis.
+
+A bad line becomes an error line and the rest of the file still runs; results keep input order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from batcher.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
+from batcher.schema import GenerationResult, Timings, Usage
+from workers.engine import Engine, RequestError, RequestOutput
+
+
+def to_result(out: RequestOutput, timings: Timings | None = None, worker: str | None = None,
+              model: str | None = None) -> GenerationResult:
+    return GenerationResult(
+        text=out.text,
+        token_ids=out.token_ids,
+        finish_reason=out.finish_reason,
+        usage=Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids)),
+        timings=timings or Timings(),
+        worker=worker,
+        model=model,
+    )
+
+
+def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] = lambda: None) -> list[dict]:
+    """Run every non-blank line; return one output dict per line, in input order."""
+    results: list[dict | None] = []
+    pending: dict[str, tuple[int, str | None]] = {}
+    for line in lines:
+        if not line.strip():
+            continue
+        index = len(results)
+        results.append(None)
+        try:
+            custom_id, request = parse_batch_line(line)
+            engine.add(f"line-{index}", request)
+            pending[f"line-{index}"] = (index, custom_id)
+        except BatchLineError as exc:
+            results[index] = error_line(exc.custom_id, str(exc))
+            on_done()
+        except RequestError as exc:
+            results[index] = error_line(custom_id, str(exc))
+            on_done()
+    started = time.monotonic()
+    while engine.has_work():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            index, custom_id = pending.pop(out.request_id)
+            if out.error:
+                results[index] = error_line(custom_id, out.error, code="generation_failed")
+            else:
+                results[index] = response_line(custom_id, to_result(out, Timings(total_s=time.monotonic() - started),
+                                                                    model=engine.loaded.name))
+            on_done()
+    return results
