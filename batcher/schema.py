@@ -118,3 +118,42 @@ class GenerationResult(_Strict):
     timings: Timings = Field(default_factory=Timings)
     worker: str | None = None
     model: str | None = None
+
+
+StreamEventType = Literal["start", "token", "done", "error", "restart"]
+STREAM_FIELD = "event"
+
+
+class StreamEvent(BaseModel):
+    """One event on a job's token stream (`batcher:stream:<job_id>`).
+
+    `start` when a worker takes the job; `token` with the text delta, the new token ids and the
+    index of the first of them in the output; `done` with the finish reason and usage; `error` with
+    the reason. A retried job writes `restart` first: readers drop the text of the lost attempt and
+    keep only events of the restart's execution. Unknown fields are ignored, so older readers keep
+    working when events grow.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    type: StreamEventType
+    execution_id: str | None = Field(None, description="None only on an end a reader infers from the job's status")
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    index: int = 0
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.type in ("done", "error")
+
+    def to_fields(self) -> dict[str, str]:
+        """The stream entry: one JSON field, without defaults, to keep token events small."""
+        return {STREAM_FIELD: self.model_dump_json(exclude_defaults=True)}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> StreamEvent:
+        raw = fields.get(STREAM_FIELD.encode(), fields.get(STREAM_FIELD))
+        return cls.model_validate_json(raw)

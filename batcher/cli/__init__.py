@@ -15,3 +15,4 @@ def main(verbose: int) -> None:
 
 
 from batcher.cli import engine_commands  # noqa: E402,F401  (registers run, bench)
+from batcher.cli import job_commands  # noqa: E402,F401  (registers worker, submit, tail, status, cancel)

@@ -1,0 +1,316 @@
+"""Client: enqueue generation jobs on Redis, follow their token streams, and read their results.
+
+Jobs are plain RQ jobs (`batcher.jobs.generate`, JSON serializer), so rq's own tools see them too.
+No torch here: a backend needs only `pip install batcher`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+
+from redis import Redis
+from rq import Queue, Retry
+from rq.command import send_stop_job_command
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from batcher import keys
+from batcher.jobs import JOB_FUNCTION, job_argument
+from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
+
+REDIS_URL_ENV = "BATCHER_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+DEFAULT_RESULT_TTL_S = 24 * 3600  # how long a result (and its stream) stays readable
+DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure stays in the FailedJobRegistry
+DEFAULT_QUEUE_TTL_S = 24 * 3600  # the longest a job may wait in the queue before RQ drops it
+DEFAULT_MAX_RETRIES = 2  # retries after a lost worker (a bad request fails at once, without retries)
+DEFAULT_MAX_QUEUE_LENGTH = 100_000  # refuse to enqueue beyond this many waiting jobs in one queue
+DEFAULT_SUMMARY_INSTRUCTIONS = "Summarise the following document in a few sentences."
+DEFAULT_SUMMARY_MAX_TOKENS = 256
+POLL_S = 1.0  # how long one blocking read waits before the job's status is checked again
+STOP_WAIT_S = 2.0  # how long cancel waits for a just-dequeued job to show as started
+STOP_POLL_S = 0.05
+DESCRIPTION_CHARS = 60
+
+TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
+
+
+class JobFailed(RuntimeError):
+    """The job ended without a result: failed, stopped or cancelled. `reason` says why."""
+
+    def __init__(self, job_id: str, status: str, reason: str) -> None:
+        super().__init__(f"job {job_id} {status}: {reason}")
+        self.job_id, self.status, self.reason = job_id, status, reason
+
+
+class JobNotFound(LookupError):
+    """No such job: never enqueued, or expired (result TTL, failure TTL or queue TTL)."""
+
+
+class QueueFull(RuntimeError):
+    """Backpressure: the queue holds more jobs than the client's `max_queue_length`."""
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What `status` reports. `position` is set while queued; `error` once failed or stopped."""
+
+    id: str
+    status: str
+    queue: str
+    position: int | None
+    worker: str | None
+    enqueued_at: datetime | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    error: str | None
+
+
+def connect(redis_url: str | None = None) -> Redis:
+    """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (rediss:// and passwords work)."""
+    return Redis.from_url(redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
+
+
+class Client:
+    """Producer and consumer side of the jobs of one queue (`queue`; its priority levels are `queue.pN`)."""
+
+    def __init__(
+        self,
+        redis: str | Redis | None = None,
+        *,
+        queue: str = keys.DEFAULT_QUEUE,
+        result_ttl: int = DEFAULT_RESULT_TTL_S,
+        failure_ttl: int = DEFAULT_FAILURE_TTL_S,
+        queue_ttl: int = DEFAULT_QUEUE_TTL_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH,
+    ) -> None:
+        if max_retries < 1:
+            raise ValueError("max_retries must be at least 1: a job whose worker dies is retried, or it is lost")
+        self.connection = redis if isinstance(redis, Redis) else connect(redis)
+        self.queue = keys.check_queue(queue)
+        self.result_ttl, self.failure_ttl, self.queue_ttl = result_ttl, failure_ttl, queue_ttl
+        self.max_retries = max_retries
+        self.max_queue_length = max_queue_length
+        self._queues: dict[str, Queue] = {}
+
+    # ----- enqueue -----
+    def submit(self, request: GenerationRequest | str | dict, *, job_id: str | None = None) -> str:
+        """Enqueue one request (a GenerationRequest, its dict, or a bare prompt); return the job id."""
+        return self.submit_many([request], job_ids=None if job_id is None else [job_id])[0]
+
+    def submit_many(self, requests: Iterable[GenerationRequest | str | dict],
+                    job_ids: list[str] | None = None) -> list[str]:
+        """Enqueue many requests in one pipeline; return their job ids in order."""
+        requests = [_as_request(r) for r in requests]
+        if job_ids is not None and len(job_ids) != len(requests):
+            raise ValueError(f"got {len(job_ids)} job ids for {len(requests)} requests")
+        prepared = [
+            (keys.queue_name(self.queue, request.priority), Queue.prepare_data(
+                JOB_FUNCTION,
+                args=(job_argument(request),),
+                description=_description(request),
+                job_id=None if job_ids is None else keys.check_job_id(job_ids[i]),
+                result_ttl=self.result_ttl,
+                failure_ttl=self.failure_ttl,
+                ttl=self.queue_ttl,
+                retry=Retry(max=self.max_retries, enqueue_at_front=True),
+            ))
+            for i, request in enumerate(requests)
+        ]
+        self._check_room(Counter(name for name, _ in prepared))
+        with self.connection.pipeline() as pipe:
+            jobs = [self._rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
+            pipe.execute()
+        return [job.id for job in jobs]
+
+    def summarise(self, document: str, instructions: str | None = None, *, sampling: SamplingParams | None = None,
+                  job_id: str | None = None, **request_fields) -> str:
+        """Enqueue a chat request that asks the model to summarise `document`; return the job id."""
+        content = f"{instructions or DEFAULT_SUMMARY_INSTRUCTIONS}\n\n{document}"
+        request = GenerationRequest(messages=[ChatMessage(role="user", content=content)],
+                                    sampling=sampling or SamplingParams(max_tokens=DEFAULT_SUMMARY_MAX_TOKENS),
+                                    **request_fields)
+        return self.submit(request, job_id=job_id)
+
+    # ----- follow -----
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Yield the job's events from the start until `done` or `error` (blocking reads).
+
+        After a `restart`, only events of the restart's execution are yielded, so a reader never mixes
+        the text of a lost attempt with the new one. A job that ends without a terminal event (cancelled
+        while queued, abandoned after its retries) ends the stream with one inferred from its status."""
+        key = keys.stream_key(job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_id, current = "0-0", None
+        while True:
+            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"job {job_id}: no end of stream within {timeout} s")
+            reply = self.connection.xread({key: last_id}, block=max(1, int(wait * 1000)))
+            if not reply:
+                end = self._inferred_end(job_id)
+                if end is not None and not self.connection.xread({key: last_id}):
+                    yield end
+                    return
+                continue
+            for entry_id, fields in reply[0][1]:
+                last_id = entry_id
+                event = StreamEvent.from_fields(fields)
+                if event.type == "restart":
+                    current = event.execution_id
+                elif current is None:
+                    current = event.execution_id
+                elif event.execution_id not in (current, None):
+                    continue  # a lost attempt that is still writing
+                yield event
+                if event.terminal:
+                    return
+
+    def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
+        """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError."""
+        job = self._fetch(job_id)
+        results_key = Result.get_key(job.id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            newest = self.connection.xrevrange(results_key, count=1)  # read before the status: no lost wake-up
+            status = self._status(job)
+            if status in TERMINAL_STATUSES:
+                return self._ended(job, status)
+            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"job {job_id} is still {status.value} after {timeout} s")
+            self.connection.xread({results_key: newest[0][0] if newest else "0-0"}, block=max(1, int(wait * 1000)))
+
+    # ----- control -----
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a queued job (through RQ) or stop a running one (RQ's stop-job command).
+
+        Return False if the job had already ended."""
+        job = self._fetch(job_id)
+        if self._rq_queue(job.origin).remove(job.id):  # atomic: no worker can take it any more
+            job.cancel()
+            return True
+        deadline = time.monotonic() + STOP_WAIT_S
+        while True:
+            status = self._status(job)
+            if status in TERMINAL_STATUSES:
+                return False
+            if status == JobStatus.STARTED:
+                try:
+                    send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
+                    return True
+                except InvalidJobOperation:
+                    pass
+            elif status != JobStatus.QUEUED:  # deferred or scheduled: not in a queue list, RQ cancels it
+                job.cancel()
+                return True
+            if time.monotonic() > deadline:  # taken by a worker that never started it: the lease decides
+                raise TimeoutError(f"job {job_id} is neither queued nor started; try again")
+            time.sleep(STOP_POLL_S)
+
+    def status(self, job_id: str) -> JobInfo:
+        job = self._fetch(job_id)
+        status = self._status(job)
+        error = None
+        if status in (JobStatus.FAILED, JobStatus.STOPPED):
+            latest = job.latest_result()
+            error = latest.exc_string if latest is not None else None
+        return JobInfo(
+            id=job.id,
+            status=status.value,
+            queue=job.origin,
+            position=job.get_position() if status == JobStatus.QUEUED else None,
+            worker=job.worker_name,
+            enqueued_at=job.enqueued_at,
+            started_at=job.started_at,
+            ended_at=job.ended_at,
+            error=error,
+        )
+
+    # ----- helpers -----
+    def _rq_queue(self, name: str) -> Queue:
+        if name not in self._queues:
+            self._queues[name] = Queue(name, connection=self.connection, serializer=JSONSerializer)
+        return self._queues[name]
+
+    def _check_room(self, adding: dict[str, int]) -> None:
+        """Backpressure (a soft limit: producers racing each other may pass it by a few jobs)."""
+        if self.max_queue_length is None:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in adding:
+                pipe.llen(self._rq_queue(name).key)
+            lengths = pipe.execute()
+        for (name, n), length in zip(adding.items(), lengths):
+            if length + n > self.max_queue_length:
+                raise QueueFull(f"queue {name} holds {length} jobs; adding {n} would pass the limit of "
+                                f"{self.max_queue_length}")
+
+    def _fetch(self, job_id: str) -> Job:
+        try:
+            return Job.fetch(keys.check_job_id(job_id), connection=self.connection, serializer=JSONSerializer)
+        except NoSuchJobError:
+            raise JobNotFound(f"no job {job_id} (never enqueued, or expired)") from None
+
+    def _status(self, job: Job) -> JobStatus:
+        try:
+            return job.get_status(refresh=True)
+        except InvalidJobOperation:
+            raise JobNotFound(f"no job {job.id} (expired)") from None
+
+    def _ended(self, job: Job, status: JobStatus) -> GenerationResult:
+        if status == JobStatus.CANCELED:
+            raise JobFailed(job.id, status.value, "cancelled while queued")
+        latest = job.latest_result()
+        if status == JobStatus.FINISHED and latest is not None and latest.type == Result.Type.SUCCESSFUL:
+            return GenerationResult.model_validate(latest.return_value)
+        reason = latest.exc_string if latest is not None and latest.exc_string else "no reason recorded"
+        raise JobFailed(job.id, status.value, reason.strip())
+
+    def _inferred_end(self, job_id: str) -> StreamEvent | None:
+        """The end of a stream whose job ended without writing one; None while the job may still write."""
+        try:
+            job = self._fetch(job_id)
+            status = self._status(job)
+        except JobNotFound as exc:
+            return StreamEvent(type="error", error=str(exc))
+        if status == JobStatus.CANCELED:
+            return StreamEvent(type="done", finish_reason="cancelled")
+        if status in (JobStatus.FAILED, JobStatus.STOPPED):
+            try:
+                self._ended(job, status)
+            except JobFailed as exc:
+                return StreamEvent(type="error", error=exc.reason)
+        if status == JobStatus.FINISHED:
+            result = self._ended(job, status)
+            return StreamEvent(type="done", finish_reason=result.finish_reason, usage=result.usage)
+        return None
+
+
+def _as_request(request: GenerationRequest | str | dict) -> GenerationRequest:
+    if isinstance(request, GenerationRequest):
+        return request
+    if isinstance(request, str):
+        return GenerationRequest(prompt=request)
+    return GenerationRequest.model_validate(request)
+
+
+def _description(request: GenerationRequest) -> str:
+    """A short description for rq info and dashboards (RQ's default repeats the whole prompt)."""
+    if request.prompt is not None:
+        head = request.prompt
+    elif request.messages is not None:
+        head = request.messages[-1].content
+    else:
+        head = f"{len(request.prompt_token_ids)} prompt tokens"
+    head = " ".join(head.split())
+    return f"generate: {head[:DESCRIPTION_CHARS]}{'...' if len(head) > DESCRIPTION_CHARS else ''}"
+

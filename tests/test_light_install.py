@@ -1,0 +1,24 @@
+"""The core package imports without torch, so a backend can enqueue jobs with a light install."""
+
+import subprocess
+import sys
+
+CORE_MODULES = ["batcher", "batcher.schema", "batcher.config", "batcher.scheduler", "batcher.blocks", "batcher.keys",
+                "batcher.jobs", "batcher.client",
+                "batcher.openai_batch", "batcher.workload", "batcher.cli"]
+
+
+def test_core_imports_without_torch():
+    code = ("import sys\n"
+            "sys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
+            "sys.modules['transformers'] = None\n"
+            + "".join(f"import {m}\n" for m in CORE_MODULES)
+            + "import batcher.cli; batcher.cli.main(['--help'], standalone_mode=False)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_issue_one_liner():
+    code = "import batcher.client, batcher.scheduler, sys; assert 'torch' not in sys.modules"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

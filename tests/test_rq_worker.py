@@ -1,0 +1,315 @@
+"""BatchWorker's whole RQ lifecycle on fakeredis, with a fake engine: admission, executions, streams,
+results, failures, stop-job, timeouts, drain, requeue, leases and recovery."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from rq import Queue
+from rq.command import send_stop_job_command
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result
+from rq.serializers import JSONSerializer
+from rq.suspension import resume, suspend
+
+from batcher import keys
+from batcher.client import Client, JobFailed
+from batcher.jobs import JOB_FUNCTION
+from batcher.schema import GenerationRequest, StreamEvent
+from tests.fake_engine import FakeEngine, expected_text
+from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
+from workers.rq_worker import PICKLED_JOB_REASON, BatchWorker
+
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
+Q = "w"
+
+
+def make_worker(connection, engine=None, **kwargs) -> BatchWorker:
+    return BatchWorker(keys.priority_queue_names([Q]), engine or FakeEngine(), connection=connection, **kwargs)
+
+
+def events(connection, job_id) -> list[StreamEvent]:
+    return [StreamEvent.from_fields(f) for _, f in connection.xrange(keys.stream_key(job_id))]
+
+
+def fetch(connection, job_id) -> Job:
+    return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+
+
+def request(prompt="hi", max_tokens=3, **fields) -> dict:
+    return {"prompt": prompt, "sampling": {"max_tokens": max_tokens}, **fields}
+
+
+def test_jobs_run_as_rq_jobs_with_results_registries_and_streams(fake_redis):
+    client = Client(fake_redis, queue=Q, result_ttl=600)
+    ids = client.submit_many([request(max_tokens=2), request(max_tokens=5), request(max_tokens=3, priority=4)])
+    worker = make_worker(fake_redis)
+    assert worker.work(burst=True)
+    for job_id, n in zip(ids, (2, 5, 3)):
+        job = fetch(fake_redis, job_id)
+        assert job.get_status() == JobStatus.FINISHED
+        result = client.result(job_id, timeout=30)
+        assert (result.text, result.finish_reason, result.usage.completion_tokens) == (expected_text(n), "length", n)
+        assert (result.worker, result.model) == (worker.name, "fake-model")
+        assert result.timings.queue_s >= 0 and 0 <= result.timings.ttft_s <= result.timings.total_s
+        assert job.return_value() == result.model_dump(mode="json")
+        assert job.latest_result().type == Result.Type.SUCCESSFUL
+        assert job_id in FinishedJobRegistry(job.origin, connection=fake_redis)
+        assert job.meta == {}
+        stream = events(fake_redis, job_id)
+        tokens = [e for e in stream if e.type == "token"]  # consecutive tokens may share an event
+        assert stream == [stream[0], *tokens, stream[-1]] and (stream[0].type, stream[-1].type) == ("start", "done")
+        assert {e.execution_id for e in stream} == {job.latest_result().execution_id}
+        assert [t for e in tokens for t in e.token_ids] == result.token_ids
+        assert [e.index for e in tokens] == [sum(len(e.token_ids) for e in tokens[:i]) for i in range(len(tokens))]
+        assert "".join(e.text for e in stream) == expected_text(n)
+        assert 0 < fake_redis.ttl(keys.stream_key(job_id)) <= 600  # expires with the result
+    assert all(StartedJobRegistry(q, connection=fake_redis).count == 0 for q in (Q, f"{Q}.p4"))
+    assert not fake_redis.keys("rq:execution:*")
+
+
+def test_waiting_jobs_are_admitted_most_urgent_queue_first(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    low = client.submit(request(priority=7))
+    high = client.submit_many([request(), request(priority=1)])
+    engine = FakeEngine(max_num_seqs=1)
+    make_worker(fake_redis, engine).work(burst=True)
+    assert engine.added == [fetch(fake_redis, job_id).latest_result().execution_id for job_id in [*high, low]]
+
+
+class Tripwire:
+    """Unpickling this calls `trip`: the test fails if the worker ever unpickles job data."""
+
+    def __reduce__(self):
+        return (trip, ())
+
+
+TRIPPED: list[bool] = []
+
+
+def trip():
+    TRIPPED.append(True)
+    return "tripped"
+
+
+def test_every_bad_job_fails_alone_with_a_readable_reason(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    json_queue = Queue(Q, connection=fake_redis, serializer=JSONSerializer)
+    past = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
+    bad = {
+        Queue(Q, connection=fake_redis).enqueue(JOB_FUNCTION, {"prompt": Tripwire()}).id: PICKLED_JOB_REASON,
+        json_queue.enqueue("os.system", "echo hi").id: "runs only batcher.jobs.generate",
+        json_queue.enqueue(JOB_FUNCTION, "just a prompt").id: "one positional argument",
+        json_queue.enqueue(JOB_FUNCTION, {"prompt": "hi", "sampling": {"top_p": 2}}).id:
+            "invalid request: sampling.top_p",
+        client.submit(request(prompt="too long")): "this model's context is 512",
+        client.submit(request(deadline=past)): "passed while the job was queued",
+        client.submit(request(prompt="boom")): "generation failed: RuntimeError: boom",
+    }
+    good = client.submit(request(max_tokens=4))
+    make_worker(fake_redis).work(burst=True)
+    assert not TRIPPED
+    assert client.result(good, timeout=30).text == expected_text(4)
+    failed = FailedJobRegistry(Q, connection=fake_redis, serializer=JSONSerializer)
+    for job_id, reason in bad.items():
+        assert job_id in failed
+        with pytest.raises(JobFailed) as info:
+            client.result(job_id, timeout=30)
+        assert reason in info.value.reason and info.value.status == "failed"
+        last = events(fake_redis, job_id)[-1]
+        assert last.type == "error" and reason in last.error
+        assert fetch(fake_redis, job_id).retries_left in (0, None)  # failed for good: no retry
+
+
+def test_stop_job_aborts_a_running_job_within_one_step(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    victim, other = client.submit_many([request(max_tokens=50), request(max_tokens=6)])
+    at_stop = {}
+
+    def on_step(worker, outputs):
+        if worker.engine.step_index == 2:
+            send_stop_job_command(fake_redis, victim, serializer=JSONSerializer)
+            wait_for(lambda: victim in worker.pending_stop_requests, 5, "the stop-job command to arrive")
+            at_stop["tokens"] = worker.engine.step_index
+
+    make_worker(fake_redis, on_step=on_step).work(burst=True)
+    job = fetch(fake_redis, victim)
+    assert job.get_status() == JobStatus.STOPPED
+    assert victim in FailedJobRegistry(Q, connection=fake_redis)
+    stream = events(fake_redis, victim)
+    assert (stream[-1].type, stream[-1].finish_reason) == ("done", "cancelled")
+    assert stream[-1].usage.completion_tokens == at_stop["tokens"]  # no step ran for it after the command
+    with pytest.raises(JobFailed, match="stopped: cancelled"):
+        client.result(victim, timeout=30)
+    assert client.result(other, timeout=30).text == expected_text(6)
+
+
+def test_a_running_timeout_ends_the_job_with_its_partial_text(fake_redis):
+    import time
+
+    client = Client(fake_redis, queue=Q)
+    job_id = client.submit(request(max_tokens=100, timeout_s=0.05))
+
+    def on_step(worker, outputs):
+        if worker.engine.step_index == 2:
+            time.sleep(0.06)  # let the timeout pass: the next iteration must end the job
+
+    make_worker(fake_redis, on_step=on_step).work(burst=True)
+    result = client.result(job_id, timeout=30)
+    assert (result.finish_reason, result.text) == ("timeout", expected_text(2))
+    assert events(fake_redis, job_id)[-1].finish_reason == "timeout"
+
+
+def test_first_signal_drains_second_requeues_at_the_front(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    ids = client.submit_many([request(max_tokens=4) for _ in range(4)])
+
+    def drain(worker, outputs):
+        if worker.engine.step_index == 1:
+            worker.request_stop(None, None)
+
+    make_worker(fake_redis, FakeEngine(max_num_seqs=2), on_step=drain).work()
+    assert [fetch(fake_redis, i).get_status() for i in ids] == [JobStatus.FINISHED] * 2 + [JobStatus.QUEUED] * 2
+
+    more = client.submit_many([request(max_tokens=4)])
+
+    def force(worker, outputs):
+        if worker.engine.step_index == 1:
+            worker.request_stop(None, None)
+            worker.request_force_stop(None, None)
+
+    make_worker(fake_redis, FakeEngine(max_num_seqs=2), on_step=force).work()
+    assert Queue(Q, connection=fake_redis).job_ids == ids[2:] + more  # back at the front, in order
+    for job_id in ids[2:]:
+        job = fetch(fake_redis, job_id)
+        assert job.get_status() == JobStatus.QUEUED and job.retries_left == 2  # no retry used
+        assert job.latest_result() is None
+    assert StartedJobRegistry(Q, connection=fake_redis).count == 0
+    assert not fake_redis.keys("rq:execution:*")
+
+    make_worker(fake_redis).work(burst=True)
+    for job_id in ids[2:]:
+        assert client.result(job_id, timeout=10).text == expected_text(4)
+        assert [e.type for e in events(fake_redis, job_id)][:2] == ["restart", "start"]
+        assert [r.type for r in fetch(fake_redis, job_id).results()] == [Result.Type.SUCCESSFUL]
+
+
+def test_a_job_whose_lease_was_lost_is_not_recorded(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    taken, kept = client.submit_many([request(max_tokens=5), request(max_tokens=5)])
+    ends = []
+
+    def on_step(worker, outputs):
+        if worker.engine.step_index == 2:  # another worker's cleanup took the job away
+            registry = StartedJobRegistry(Q, connection=fake_redis)
+            for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
+                if job_id == taken:
+                    fake_redis.zrem(registry.key, f"{job_id}:{execution_id}")
+
+    make_worker(fake_redis, on_step=on_step, on_job_end=lambda w, end: ends.append(end)).work(burst=True)
+    assert {e.job_id: e.status for e in ends} == {taken: "lost", kept: "finished"}
+    assert fetch(fake_redis, taken).latest_result() is None
+    assert "done" not in [e.type for e in events(fake_redis, taken)]
+    assert client.result(kept, timeout=30).text == expected_text(5)
+
+
+def test_a_dead_workers_jobs_are_retried_once_with_a_restart(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    ids = client.submit_many([request(max_tokens=6) for _ in range(3)])
+
+    class Killed(BaseException):
+        pass
+
+    def die(worker, outputs):
+        if worker.engine.step_index == 2:
+            raise Killed  # the process is gone: nothing recorded, leases left to run out
+
+    with pytest.raises(Killed):
+        make_worker(fake_redis, on_step=die).work()
+    registry = StartedJobRegistry(Q, connection=fake_redis)
+    entries = fake_redis.zrange(registry.key, 0, -1)
+    assert len(entries) == 3
+    fake_redis.zadd(registry.key, {e: 1 for e in entries})  # the leases ran out
+
+    make_worker(fake_redis).work(burst=True)
+    for job_id in ids:
+        job = fetch(fake_redis, job_id)
+        assert client.result(job_id, timeout=10).text == expected_text(6)
+        assert [r.type for r in job.results()] == [Result.Type.SUCCESSFUL]
+        assert job.retries_left == 1
+        stream = events(fake_redis, job_id)
+        assert [e.type for e in stream][:2] == ["restart", "start"]  # the lost attempt's tokens are gone
+        assert "".join(e.text for e in stream) == expected_text(6)
+
+
+def test_suspend_stops_admission_until_resume(fake_redis):
+    suspend(fake_redis)
+    client = Client(fake_redis, queue=Q)
+    job_id = client.submit(request())
+    worker = make_worker(fake_redis)
+    thread = threading.Thread(target=worker.work)
+    thread.start()
+    try:
+        wait_for(lambda: fake_redis.hget(worker.key, "state") == b"suspended", 10, "the worker to suspend")
+        assert fetch(fake_redis, job_id).get_status() == JobStatus.QUEUED
+        resume(fake_redis)
+        assert client.result(job_id, timeout=10).text == expected_text(3)
+    finally:
+        worker.request_stop(None, None)
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_lease_keeper_extends_leases_while_the_engine_is_busy(fake_redis):
+    """The keeper thread renews leases on its own clock, even during one long engine step."""
+    client = Client(fake_redis, queue=Q)
+    job_id = client.submit(request(max_tokens=2))
+    registry = StartedJobRegistry(Q, connection=fake_redis)
+    scores = []
+
+    def slow_step(worker, outputs):
+        if worker.engine.step_index == 1:
+            first = fake_redis.zrange(registry.key, 0, -1, withscores=True)[0][1]
+            wait_for(lambda: fake_redis.zrange(registry.key, 0, -1, withscores=True)[0][1] > first, 10,
+                     "a heartbeat during a blocked step")
+            scores.append(first)
+
+    make_worker(fake_redis, lease_s=3, on_step=slow_step).work(burst=True)
+    assert scores and client.result(job_id, timeout=10).text == expected_text(2)
+
+
+def test_hooks_give_an_ops_layer_every_sequence_step_and_end(fake_redis):
+    ids = Client(fake_redis, queue=Q).submit_many([request(max_tokens=3), request(max_tokens=1),
+                                                  request(prompt="too long")])
+    added, steps, ends = [], [], []
+    make_worker(fake_redis, on_added=lambda w, seq: added.append(seq.request.sampling.max_tokens),
+                on_step=lambda w, outs: steps.append((w.num_in_flight, len(outs), dict(w.queue_depths))),
+                on_job_end=lambda w, end: ends.append(end)).work(burst=True)
+    assert added == [3, 1]
+    assert [s[:2] for s in steps] == [(1, 2), (1, 1), (0, 1)]
+    assert steps[0][2] == {name: 3 if name == Q else 0 for name in keys.priority_queue_names([Q])}  # as read
+    assert [(e.job_id, e.status) for e in ends] == [(ids[2], "failed"), (ids[1], "finished"), (ids[0], "finished")]
+    assert all(e.execution_id == fetch(fake_redis, e.job_id).latest_result().execution_id for e in ends)
+
+
+def test_requests_are_checked_by_pydantic_before_the_engine_sees_them(fake_redis):
+    engine = FakeEngine()
+    Queue(Q, connection=fake_redis, serializer=JSONSerializer).enqueue(
+        JOB_FUNCTION, GenerationRequest(prompt="ok").model_dump(mode="json") | {"extra": 1})
+    make_worker(fake_redis, engine).work(burst=True)
+    assert engine.added == []
+
+
+def test_job_ids_without_a_readable_job_are_dropped_and_the_worker_goes_on(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    broken = client.submit(request())
+    fake_redis.hset(f"rq:job:{broken}", "status", "no-such-status")  # RQ cannot load this hash
+    queue = Queue(Q, connection=fake_redis)
+    queue.push_job_id("deleted-job")  # an id whose job is gone
+    good = client.submit(request(max_tokens=2))
+    make_worker(fake_redis).work(burst=True)
+    assert client.result(good, timeout=10).text == expected_text(2)
+    assert queue.job_ids == [] and fake_redis.llen(queue.intermediate_queue_key) == 0
