@@ -12,6 +12,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DTYPE = "float32"
 DEFAULT_DEVICE = "auto"
+DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
 Policy = Literal["continuous", "static"]
 POLICIES = ("continuous", "static")

@@ -56,3 +56,12 @@ def stream_key(job_id: str) -> str:
     """The Redis stream that carries one job's events (start, token, done, error, restart)."""
     return STREAM_PREFIX + check_job_id(job_id)
 
+
+
+WORKER_STATS_PREFIX = "batcher:worker:"
+WORKERS_SET = "batcher:workers"  # names of workers that published stats; a dead one's hash expires
+
+
+def worker_stats_key(name: str) -> str:
+    """The hash where a worker publishes its figures with every heartbeat (`batcher workers` reads it)."""
+    return WORKER_STATS_PREFIX + name

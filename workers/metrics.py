@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import prometheus_client
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from batcher.config import DEFAULT_METRICS_ADDR
 from batcher.schema import FinishReason
 
 if TYPE_CHECKING:
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from batcher.scheduler import Sequence
     from workers.engine import Engine, RequestOutput
 
-# Loopback unless the operator asks for more: the endpoint has no authentication, and it tells
-# anyone who can reach it about the load. Containers pass 0.0.0.0 explicitly.
-DEFAULT_METRICS_ADDR = "127.0.0.1"
 
 # A request that ended in an error rather than with one of the schema's finish reasons.
 ERROR_REASON = "error"
@@ -162,6 +160,28 @@ class EngineMetrics:
             self._queue_time.observe(queue_s)
         if e2e_s is not None:
             self._e2e.observe(e2e_s)
+
+    def worker_hooks(self) -> dict:
+        """The `on_added`, `on_step` and `on_job_end` hooks that feed these metrics from a BatchWorker."""
+
+        def on_step(worker, outputs: list[RequestOutput]) -> None:
+            self.observe_step(outputs)
+            for queue, depth in worker.queue_depths.items():
+                self.set_queue_depth(queue, depth)
+
+        def on_job_end(worker, end) -> None:
+            if end.status == "lost":  # another worker runs it now and will count it
+                self._tracked.pop(end.execution_id, None)
+                return
+            timings = end.result.timings if end.result is not None else None
+            queue_s = timings.queue_s if timings else None
+            e2e_s = queue_s + timings.total_s if timings and queue_s is not None and timings.total_s else None
+            reason = {"finished": end.result.finish_reason if end.result else "error",
+                      "stopped": "cancelled"}.get(end.status, ERROR_REASON)
+            self.observe_finished(end.execution_id, reason, queue_s, e2e_s)
+
+        return {"on_added": lambda worker, seq: self.observe_added(seq), "on_step": on_step,
+                "on_job_end": on_job_end}
 
     def set_queue_depth(self, queue: str, depth: int) -> None:
         self._queue_depth.labels(queue).set(depth)

@@ -19,7 +19,9 @@ recovers the jobs of dead workers, whatever the engine is doing.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +53,7 @@ from workers.streams import StreamWriter
 
 log = logging.getLogger(__name__)
 
+STATS_TTL_LEASES = 2  # a worker's published stats outlive one missed heartbeat, not a dead worker
 HEARTBEATS_PER_LEASE = 3  # keeper ticks per lease: two may be late before a lease runs out
 DEFAULT_MAINTENANCE_INTERVAL_S = 60  # RQ's full registry maintenance (intermediate lists, dead workers)
 IDLE_WAIT_S = 1  # the longest an idle worker blocks on Redis (or waits while suspended)
@@ -119,7 +122,9 @@ class BatchWorker(BaseWorker):
         self.on_added, self.on_step, self.on_job_end = on_added, on_step, on_job_end
         self.streams = StreamWriter(connection)
         self.jobs_taken = 0
+        self.tokens_generated = 0
         self.queue_depths: dict[str, int] = {}
+        self._rate_mark = (time.monotonic(), 0)  # (when, tokens_generated) at the last stats publication
         self._jobs: dict[str, InFlight] = {}  # by execution id, which is also the engine's request id
         self._ending: list[tuple[InFlight, JobEnd]] = []
         self._stop_requests: set[str] = set()  # job ids, from the pubsub thread
@@ -168,6 +173,7 @@ class BatchWorker(BaseWorker):
         finally:
             self._keeper_stop.set()
             keeper.join()
+            self._unpublish_stats()
             self.teardown()
         return self.jobs_taken > 0
 
@@ -356,6 +362,7 @@ class BatchWorker(BaseWorker):
             if f is None:
                 continue
             try:
+                self.tokens_generated += len(out.new_token_ids)
                 if out.new_token_ids or out.delta_text:
                     if f.first_token_at is None and out.new_token_ids:
                         f.first_token_at = time.monotonic()
@@ -497,6 +504,7 @@ class BatchWorker(BaseWorker):
             in_flight = list(self._jobs.values())
         with self.connection.pipeline(transaction=False) as pipe:
             self.heartbeat(pipeline=pipe)
+            self._publish_stats(pipe)
             score_at = []
             for f in in_flight:
                 registry = f.queue.started_job_registry
@@ -524,6 +532,38 @@ class BatchWorker(BaseWorker):
                     if held:
                         log.info("worker %s: recovering jobs with expired leases on %s", self.name, queue.name)
                         queue.started_job_registry.cleanup()
+
+    def _publish_stats(self, pipe) -> None:
+        """The figures `batcher workers` shows, refreshed with every heartbeat; they expire with a dead worker."""
+        moment, tokens = time.monotonic(), self.tokens_generated
+        since, before = self._rate_mark
+        self._rate_mark = (moment, tokens)
+        if self._stop_requested:
+            state = "draining"
+        elif self._suspended:
+            state = "suspended"
+        else:
+            state = "busy" if self._jobs else "idle"
+        bases = sorted({q.name.split(keys.PRIORITY_SEPARATOR)[0] for q in self.queues})
+        key = keys.worker_stats_key(self.name)
+        pipe.hset(key, mapping={
+            "name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "queues": ",".join(bases),
+            "model": self.model_name, "state": state, "in_flight": len(self._jobs),
+            "free_slots": self.engine.free_slots, "kv_usage": round(self.engine.scheduler.allocator.usage, 4),
+            "tokens_per_s": round((tokens - before) / max(moment - since, 1e-9), 2),
+            "last_heartbeat": time.time(),
+        })
+        pipe.expire(key, STATS_TTL_LEASES * self.lease_s)
+        pipe.sadd(keys.WORKERS_SET, self.name)
+
+    def _unpublish_stats(self) -> None:
+        try:
+            with self.connection.pipeline() as pipe:
+                pipe.delete(keys.worker_stats_key(self.name))
+                pipe.srem(keys.WORKERS_SET, self.name)
+                pipe.execute()
+        except Exception:  # Redis gone at exit: the hash expires on its own
+            log.warning("worker %s: could not remove its stats from Redis", self.name)
 
     def clean_registries(self) -> None:
         """RQ's periodic maintenance (run_maintenance_tasks calls it), under a lock that expires in one lease.

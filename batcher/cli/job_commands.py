@@ -11,6 +11,7 @@ from batcher import keys
 from batcher.cli import main
 from batcher.cli.options import engine_options
 from batcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from batcher.config import DEFAULT_METRICS_ADDR
 from batcher.jobs import DEFAULT_LEASE_S
 
 redis_url_option = click.option(
@@ -36,7 +37,11 @@ def _client(redis_url: str, queue: str = keys.DEFAULT_QUEUE):
               help="Seconds a job's lease lasts without a heartbeat: how soon a dead worker's jobs "
                                "are retried.")
 @click.option("--burst", is_flag=True, help="Exit once the queues are empty and no job is in flight.")
-def worker(redis_url, queues, engine_config, name, lease, burst):
+@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="BATCHER_METRICS_PORT",
+              help="Serve Prometheus metrics on this port (off when not given).")
+@click.option("--metrics-addr", default=DEFAULT_METRICS_ADDR, envvar="BATCHER_METRICS_ADDR", show_default=True,
+              help="The address /metrics binds to; 0.0.0.0 to let other hosts scrape it.")
+def worker(redis_url, queues, engine_config, name, lease, burst, metrics_port, metrics_addr):
     """Serve generation jobs from Redis with continuous batching.
 
     The first SIGINT/SIGTERM (or RQ's shutdown command) drains: no new jobs, the running ones finish,
@@ -49,8 +54,16 @@ def worker(redis_url, queues, engine_config, name, lease, burst):
         keys.check_queue(queue)
     connection = connect(redis_url)
     engine = build_engine(engine_config)
+    hooks = {}
+    if metrics_port is not None:
+        from workers.metrics import EngineMetrics
+
+        metrics = EngineMetrics(engine)
+        server = metrics.start_http_server(metrics_port, metrics_addr)  # after the model loaded: probes rely on it
+        click.echo(f"metrics on http://{metrics_addr}:{server.server_port}/metrics", err=True)
+        hooks = metrics.worker_hooks()
     BatchWorker(keys.priority_queue_names(queues), engine, connection=connection, name=name,
-                lease_s=lease).work(burst=burst)
+                lease_s=lease, **hooks).work(burst=burst)
 
 
 @main.command()

@@ -1,0 +1,126 @@
+"""What operators do to a running cluster, through RQ's public API and the workers' published stats.
+
+Each function returns plain data; `batcher/cli/admin_commands.py` renders it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from redis import Redis
+from rq import Queue
+from rq.command import send_shutdown_command
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.suspension import is_suspended, resume, suspend
+
+from batcher import keys
+
+__all__ = ["WorkerStats", "list_workers", "drain", "suspend_all", "resume_all", "queue_overview",
+           "requeue_failed", "is_suspended"]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    name: str
+    host: str
+    queues: str
+    model: str
+    state: str
+    in_flight: int
+    free_slots: int
+    kv_usage: float
+    tokens_per_s: float
+    last_heartbeat: float
+
+    @property
+    def heartbeat_age_s(self) -> float:
+        return max(0.0, time.time() - self.last_heartbeat)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def list_workers(connection: Redis) -> list[WorkerStats]:
+    """Live workers, by name. A worker whose stats expired (it died) is dropped from the index."""
+    names = sorted(_text(n) for n in connection.smembers(keys.WORKERS_SET))
+    with connection.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(keys.worker_stats_key(name))
+        hashes = pipe.execute()
+    live, gone = [], []
+    for name, raw in zip(names, hashes):
+        if not raw:
+            gone.append(name)
+            continue
+        h = {_text(k): _text(v) for k, v in raw.items()}
+        live.append(WorkerStats(name=name, host=h["host"], queues=h["queues"], model=h["model"], state=h["state"],
+                                in_flight=int(h["in_flight"]), free_slots=int(h["free_slots"]),
+                                kv_usage=float(h["kv_usage"]), tokens_per_s=float(h["tokens_per_s"]),
+                                last_heartbeat=float(h["last_heartbeat"])))
+    if gone:
+        connection.srem(keys.WORKERS_SET, *gone)
+    return live
+
+
+def drain(connection: Redis, names: list[str]) -> None:
+    """Ask each worker to stop admitting, finish its jobs in flight and exit (RQ's shutdown command)."""
+    for name in names:
+        send_shutdown_command(connection, name)
+
+
+def suspend_all(connection: Redis) -> None:
+    """Pause admission on every worker (`rq suspend`); jobs in flight go on."""
+    suspend(connection)
+
+
+def resume_all(connection: Redis) -> None:
+    resume(connection)
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    queue: str
+    queued: int
+    started: int
+    failed: int
+    finished: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _queues(connection: Redis, queue: str | None) -> list[Queue]:
+    if queue is not None:
+        names = keys.priority_queue_names([queue])
+    else:
+        names = sorted(q.name for q in Queue.all(connection=connection))
+    return [Queue(name, connection=connection, serializer=JSONSerializer) for name in names]
+
+
+def queue_overview(connection: Redis, queue: str | None = None) -> list[QueueRow]:
+    """Depth and registry counts of every RQ queue (or of one base queue's priority levels)."""
+    rows = []
+    for q in _queues(connection, queue):
+        row = QueueRow(q.name, q.count, q.started_job_registry.count, q.failed_job_registry.count,
+                       q.finished_job_registry.count)
+        if queue is None or q.name == queue or row.queued or row.started or row.failed or row.finished:
+            rows.append(row)  # a base queue's empty priority levels would only be noise
+    return rows
+
+
+def requeue_failed(connection: Redis, queue: str | None = None) -> int:
+    """Put every failed job (of one base queue, or of all queues) back on its queue; return how many."""
+    total = 0
+    for q in _queues(connection, queue):
+        registry = FailedJobRegistry(queue=q, serializer=JSONSerializer)
+        job_ids = registry.get_job_ids()
+        for job_id in job_ids:
+            registry.requeue(job_id)
+        total += len(job_ids)
+    return total

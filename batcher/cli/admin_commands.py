@@ -1,0 +1,135 @@
+"""Operator commands: `workers`, `drain`, `suspend`, `resume`, `queues`, `requeue`.
+
+Human-readable tables by default, `--json` for scripts."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from batcher import admin, keys
+from batcher.cli import main
+from batcher.cli.job_commands import redis_url_option
+
+DRAIN_POLL_S = 0.5
+DEFAULT_DRAIN_TIMEOUT_S = 600
+
+
+def _connect(redis_url: str):
+    from batcher.client import connect
+
+    return connect(redis_url)
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+@main.command()
+@redis_url_option
+@json_option
+def workers(redis_url, as_json):
+    """Live workers: state, jobs in flight, free slots, KV usage, tokens/s, last heartbeat."""
+    stats = admin.list_workers(_connect(redis_url))
+    if as_json:
+        click.echo(json.dumps([s.to_dict() for s in stats], indent=1))
+        return
+    if not stats:
+        click.echo("no live workers")
+        return
+    rows = [{**s.to_dict(), "kv_usage": f"{s.kv_usage:.0%}", "tokens_per_s": f"{s.tokens_per_s:.1f}",
+             "last_heartbeat": f"{s.heartbeat_age_s:.0f}s ago"} for s in stats]
+    click.echo(_table(rows, ["name", "host", "queues", "state", "in_flight", "free_slots", "kv_usage",
+                             "tokens_per_s", "last_heartbeat"]))
+
+
+@main.command()
+@redis_url_option
+@click.argument("names", nargs=-1)
+@click.option("--all", "all_workers", is_flag=True, help="Drain every live worker.")
+@click.option("--wait", is_flag=True, help="Follow the drain; exit non-zero if it outlasts --timeout.")
+@click.option("--timeout", type=click.FloatRange(0), default=DEFAULT_DRAIN_TIMEOUT_S, show_default=True,
+              help="Seconds --wait waits.")
+def drain(redis_url, names, all_workers, wait, timeout):
+    """Stop workers admitting jobs; each finishes its jobs in flight and exits 0."""
+    if bool(names) == all_workers:
+        raise click.UsageError("give worker NAMES or --all")
+    connection = _connect(redis_url)
+    live = {s.name: s for s in admin.list_workers(connection)}
+    targets = sorted(live) if all_workers else list(names)
+    unknown = [n for n in targets if n not in live]
+    if unknown:
+        click.echo(f"not live (no heartbeat): {', '.join(unknown)}", err=True)
+    admin.drain(connection, targets)
+    click.echo(f"draining {len(targets)} worker(s): {', '.join(targets) or '-'}", err=True)
+    if not wait:
+        return
+    started = time.monotonic()
+    total = max(1, sum(live[n].in_flight for n in targets if n in live))
+    with click.progressbar(length=total, label="jobs in flight finished", file=sys.stderr) as bar:
+        while True:
+            current = {s.name: s for s in admin.list_workers(connection)}
+            remaining = [n for n in targets if n in current]
+            in_flight = sum(current[n].in_flight for n in remaining)
+            done = total - in_flight if remaining else total
+            bar.update(max(0, done - bar.pos))
+            if not remaining:
+                break
+            if time.monotonic() - started > timeout:
+                click.echo(f"\ntimed out after {timeout:.0f}s; still running: {', '.join(remaining)} "
+                           f"({in_flight} jobs in flight)", err=True)
+                sys.exit(1)
+            time.sleep(DRAIN_POLL_S)
+    click.echo(f"drained: {', '.join(targets)}", err=True)
+
+
+@main.command()
+@redis_url_option
+def suspend(redis_url):
+    """Pause admission on all workers (jobs in flight go on)."""
+    admin.suspend_all(_connect(redis_url))
+    click.echo("suspended: workers admit no new jobs until `batcher resume`")
+
+
+@main.command()
+@redis_url_option
+def resume(redis_url):
+    """Resume admission on all workers."""
+    admin.resume_all(_connect(redis_url))
+    click.echo("resumed")
+
+
+@main.command()
+@redis_url_option
+@click.option("--queue", help="One base queue (its priority levels); default: every RQ queue.")
+@json_option
+def queues(redis_url, queue, as_json):
+    """Queue depths and registries: queued, started, failed, finished."""
+    connection = _connect(redis_url)
+    rows = [r.to_dict() for r in admin.queue_overview(connection, queue and keys.check_queue(queue))]
+    suspended = bool(admin.is_suspended(connection))
+    if as_json:
+        click.echo(json.dumps({"suspended": suspended, "queues": rows}, indent=1))
+        return
+    click.echo(_table(rows, ["queue", "queued", "started", "failed", "finished"]) if rows else "no queues")
+    if suspended:
+        click.echo("(workers are suspended)")
+
+
+@main.command()
+@redis_url_option
+@click.option("--failed", is_flag=True, required=True, help="Requeue the jobs in the failed registries.")
+@click.option("--queue", help="Only this base queue (and its priority levels).")
+def requeue(redis_url, failed, queue):
+    """Put failed jobs back on their queues."""
+    n = admin.requeue_failed(_connect(redis_url), queue and keys.check_queue(queue))
+    click.echo(f"requeued {n} job(s)")
