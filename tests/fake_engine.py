@@ -48,6 +48,10 @@ class FakeEngine:
     def free_slots(self) -> int:
         return max(0, self.max_num_seqs - len(self._requests))
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return len(self._requests) / self.max_num_seqs
+
     def step(self) -> list[RequestOutput]:
         outputs = []
         for request_id, req in list(self._requests.items()):

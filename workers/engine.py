@@ -101,6 +101,11 @@ class Engine:
         return self.scheduler.free_slots
 
     @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV-cache blocks in use."""
+        return self.scheduler.allocator.usage
+
+    @property
     def num_requests(self) -> int:
         return len(self._requests)
 

@@ -504,7 +504,10 @@ class BatchWorker(BaseWorker):
             in_flight = list(self._jobs.values())
         with self.connection.pipeline(transaction=False) as pipe:
             self.heartbeat(pipeline=pipe)
-            self._publish_stats(pipe)
+            try:
+                self._publish_stats(pipe)
+            except Exception:  # the figures are for people; the leases must be extended regardless
+                log.exception("worker %s: could not gather its stats", self.name)
             score_at = []
             for f in in_flight:
                 registry = f.queue.started_job_registry
@@ -549,7 +552,7 @@ class BatchWorker(BaseWorker):
         pipe.hset(key, mapping={
             "name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "queues": ",".join(bases),
             "model": self.model_name, "state": state, "in_flight": len(self._jobs),
-            "free_slots": self.engine.free_slots, "kv_usage": round(self.engine.scheduler.allocator.usage, 4),
+            "free_slots": self.engine.free_slots, "kv_usage": round(self.engine.kv_cache_usage, 4),
             "tokens_per_s": round((tokens - before) / max(moment - since, 1e-9), 2),
             "last_heartbeat": time.time(),
         })
