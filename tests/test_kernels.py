@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import decode_attention, prefill_attention, write_kv
+from kernels.attention import decode_attention, length_bias, paged_decode_attention, prefill_attention, write_kv
 
 
 def dense_reference(q, k, v, q_positions, scaling, window=None):
@@ -54,6 +54,22 @@ def test_batched_paged_decode_matches_dense(window):
     for i, n in enumerate(lens):
         want = dense_reference(q[i : i + 1], keys[i], values[i], torch.tensor([n - 1]), 0.5, window)
         torch.testing.assert_close(got[i : i + 1], want)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_block_gather_decode_matches_the_reference(window):
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block = 6, 2, 8, 4
+    k_cache, v_cache = torch.randn(80, kv_heads, dim), torch.randn(80, kv_heads, dim)
+    lens = torch.tensor([5, 12, 1, 9])
+    tables = torch.tensor([[3, 7, 0], [0, 12, 5], [9, 0, 0], [19, 2, 4]])  # scattered, padded with block 0
+    positions = torch.arange(int(lens.max()))
+    slots = tables[:, positions // block] * block + positions % block
+    q = torch.randn(4, heads, dim)
+    want = decode_attention(q, k_cache, v_cache, slots, lens, 0.4, window)
+    bias = length_bias(lens, tables.shape[1] * block, torch.float32)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, bias, block, 0.4, lens, window)
+    torch.testing.assert_close(got, want)
 
 
 def test_transformers_loads_a_model_with_our_kernels_package_importable(tiny_model_dir):

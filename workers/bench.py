@@ -1,127 +1,112 @@
-"""`batcher bench`: a workload file through the engine, with per-token timestamps.
+"""`batcher bench`: one workload through several systems, in one process, on equal terms.
 
-Reports generated and prompt tokens/s, time to first token and inter-token latency
-(p50, p99, max) and mean slot occupancy. Arrival times in the file are honoured.
+Systems: `batcher:continuous` and `batcher:static` (this engine, run here step by step), and the
+transformers baselines `hf-cb`, `hf-static`, `hf-naive` (`workers.bench_hf`). They run one after
+the other with the same weights, slots, page size, token budget and threads; each is warmed up
+first and freed after. Metrics come from `workers.bench_report`.
 """
 
 from __future__ import annotations
 
-import platform
+import gc
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
 
 import torch
-import transformers
 
+from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
 from batcher.workload import WorkloadRequest
-from workers.engine import Engine
-
-WARMUP_PROMPT_LEN = 16
-WARMUP_MAX_TOKENS = 2
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p99": None, "max": None}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-    return {"p50": at(0.50), "p99": at(0.99), "max": ordered[-1]}
+from workers.bench_report import BenchReport, ModelCost, environment, matmul_probe, system_report
+from workers.bench_run import (SYSTEMS, WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, WARMUP_TOKEN_ID, PeakRss, SystemRun,
+                               by_arrival, wait_until)
+from workers.engine import Engine, build_engine
+from workers.runner import DTYPES, resolve_device
 
 
-@dataclass
-class BenchReport:
-    workload: str
-    policy: str
-    model: str
-    threads: int
-    device: str
-    requests: int
-    wall_s: float
-    prompt_tokens: int
-    generated_tokens: int
-    generated_tok_s: float
-    prompt_tok_s: float
-    ttft_s: dict
-    itl_s: dict
-    mean_occupancy: float
-    steps: int
-    preemptions: int
-    versions: dict = field(default_factory=dict)
-    timeline: list = field(default_factory=list)  # [(t, running seqs, cumulative generated tokens)] per step
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def summary(self) -> str:
-        ms = lambda d, k: "-" if d[k] is None else f"{d[k] * 1000:.0f}"  # noqa: E731
-        return (f"{self.workload} [{self.policy}] {self.requests} requests in {self.wall_s:.1f}s, "
-                f"{self.threads} thread(s) on {self.device}\n"
-                f"  generated {self.generated_tok_s:.1f} tok/s, prompt {self.prompt_tok_s:.1f} tok/s\n"
-                f"  TTFT ms p50 {ms(self.ttft_s, 'p50')} p99 {ms(self.ttft_s, 'p99')} max {ms(self.ttft_s, 'max')}\n"
-                f"  ITL  ms p50 {ms(self.itl_s, 'p50')} p99 {ms(self.itl_s, 'p99')} max {ms(self.itl_s, 'max')}\n"
-                f"  mean slot occupancy {self.mean_occupancy:.2f}, {self.steps} steps, "
-                f"{self.preemptions} preemptions")
-
-
-def _request(item: WorkloadRequest, vocab_size: int) -> GenerationRequest:
+def workload_request(item: WorkloadRequest, vocab_size: int) -> GenerationRequest:
     return GenerationRequest(prompt_token_ids=item.prompt_token_ids(vocab_size),
                              sampling=SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
 
 
-def _warm_up(engine: Engine) -> None:
-    engine.add("warmup", GenerationRequest(prompt_token_ids=[100] * WARMUP_PROMPT_LEN,
+def warm_up(engine: Engine) -> None:
+    """Run one tiny request through the engine before the clock starts."""
+    engine.add("warmup", GenerationRequest(prompt_token_ids=[WARMUP_TOKEN_ID] * WARMUP_PROMPT_LEN,
                                            sampling=SamplingParams(max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)))
     while engine.has_work():
         engine.step()
 
 
-def run_bench(engine: Engine, workload: list[WorkloadRequest], name: str, threads: int) -> tuple[BenchReport, dict]:
-    """Run the workload; return the report and each request's generated token ids."""
+def run_batcher(engine: Engine, workload: list[WorkloadRequest]) -> SystemRun:
+    """Drive the engine step by step; every step's outputs are stamped when the step returns."""
+    run = SystemRun(f"batcher:{engine.config.policy}", slots=engine.config.max_num_seqs,
+                    token_times={w.id: [] for w in workload})
     vocab = engine.loaded.vocab_size
-    _warm_up(engine)
-    pending = sorted(workload, key=lambda w: w.arrival_s)
-    arrival = {w.id: w.arrival_s for w in workload}
-    token_times: dict[str, list[float]] = {w.id: [] for w in workload}
-    tokens: dict[str, list[int]] = {}
-    timeline, preemptions, generated = [], 0, 0
-    start = time.perf_counter()
-    while pending or engine.has_work():
-        now = time.perf_counter() - start
-        while pending and pending[0].arrival_s <= now:
-            item = pending.pop(0)
-            engine.add(item.id, _request(item, vocab))
-        if not engine.has_work():
-            time.sleep(max(0.0, pending[0].arrival_s - now))
-            continue
-        outputs = engine.step()
-        t = time.perf_counter() - start
-        for out in outputs:
-            token_times[out.request_id].extend([t] * len(out.new_token_ids))
-            generated += len(out.new_token_ids)
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-        stats = engine.last_step
-        preemptions += stats.num_preempted
-        timeline.append((t, stats.num_seqs, generated))
-    wall = time.perf_counter() - start
-    ttft = [times[0] - arrival[rid] for rid, times in token_times.items() if times]
-    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
-    cfg = engine.config
-    report = BenchReport(
-        workload=name, policy=cfg.policy, model=engine.loaded.name, threads=threads,
-        device=str(engine.runner.device) + ("" if engine.runner.device.type == "cuda" else f" ({platform.processor() or platform.machine()})"),
-        requests=len(workload), wall_s=wall,
-        prompt_tokens=sum(w.prompt_len for w in workload), generated_tokens=generated,
-        generated_tok_s=generated / wall, prompt_tok_s=sum(w.prompt_len for w in workload) / wall,
-        ttft_s=percentiles(ttft), itl_s=percentiles(itl),
-        mean_occupancy=sum(n for _, n, _ in timeline) / (len(timeline) * cfg.max_num_seqs) if timeline else 0.0,
-        steps=len(timeline), preemptions=preemptions,
-        versions={"torch": torch.__version__, "transformers": transformers.__version__,
-                  "python": platform.python_version()},
-        timeline=timeline,
-    )
-    return report, tokens
+    warm_up(engine)
+    pending = by_arrival(workload)
+    with PeakRss() as rss:
+        start = time.perf_counter()
+        while pending or engine.has_work():
+            now = time.perf_counter() - start
+            while pending and pending[0].arrival_s <= now:
+                item = pending.pop(0)
+                engine.add(item.id, workload_request(item, vocab))
+            if not engine.has_work():
+                wait_until(start, pending[0].arrival_s)
+                continue
+            outputs = engine.step()
+            t = time.perf_counter() - start
+            for out in outputs:
+                run.token_times[out.request_id].extend([t] * len(out.new_token_ids))
+                if out.finished:
+                    run.tokens[out.request_id] = out.token_ids
+            run.steps.append((t, engine.last_step.num_seqs))
+            run.preemptions += engine.last_step.num_preempted
+        run.wall_s = time.perf_counter() - start
+    run.peak_rss_bytes = rss.peak
+    return run
+
+
+def run_system(system: str, config: EngineConfig, workload: list[WorkloadRequest]) -> tuple[SystemRun, ModelCost]:
+    """Load the model for one system, run the workload, and return the run and the model's cost."""
+    if system.startswith("batcher:"):
+        engine = build_engine(replace(config, policy=system.removeprefix("batcher:")))
+        return run_batcher(engine, workload), ModelCost.of(engine.runner.model)
+
+    from workers import bench_hf
+    from workers.runner import num_kv_blocks
+
+    model = bench_hf.load_hf_model(config)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if system == "hf-cb":
+        num_blocks = min(num_kv_blocks(model, config), bench_hf.workload_blocks(workload, config.block_size))
+        run = bench_hf.run_hf_cb(model, workload, vocab, config, num_blocks)
+    elif system == "hf-static":
+        run = bench_hf.run_hf_static(model, workload, vocab, config.max_num_seqs)
+    elif system == "hf-naive":
+        run = bench_hf.run_hf_naive(model, workload, vocab)
+    else:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    return run, ModelCost.of(model)
+
+
+def run_bench(workload: list[WorkloadRequest], name: str, systems: list[str], baseline: str,
+              config: EngineConfig, threads: int) -> BenchReport:
+    """Run every system on the workload and compare them against `baseline` (one of `systems`)."""
+    if baseline not in systems:
+        raise ValueError(f"the baseline {baseline!r} must be one of the systems run: {', '.join(systems)}")
+    torch.set_num_threads(threads)
+    device = resolve_device(config.device)
+    probe = matmul_probe(DTYPES[config.dtype], str(device))
+    runs: dict[str, SystemRun] = {}
+    cost = None
+    for system in systems:
+        runs[system], cost = run_system(system, config, workload)
+        gc.collect()
+    probe = max(probe, matmul_probe(DTYPES[config.dtype], str(device)))  # the better of before and after
+    device_name, versions = environment(device)
+    report = BenchReport(workload=name, model=config.model, threads=threads, device=device_name, versions=versions,
+                         probe_gflop_s=probe / 1e9, baseline=baseline, requests=len(workload),
+                         prompt_tokens=sum(w.prompt_len for w in workload))
+    report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline]) for s in systems]
+    return report

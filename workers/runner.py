@@ -12,9 +12,10 @@ import torch
 from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Sequence
-from kernels.attention import AttentionMetadata, PrefillSpan
+from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, length_bias
 from workers.models import LoadedModel
 
+DECODE_PAD_RATIO = 2  # decodes share a padded attention call while their contexts are within this ratio
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,6 +34,13 @@ def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def num_kv_blocks(model: torch.nn.Module, config: EngineConfig) -> int:
+    """KV blocks that fit `config.kv_cache_bytes` (or `config.num_blocks` when given)."""
+    layers, kv_heads, head_dim = kv_shape(model)
+    bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * DTYPES[config.dtype].itemsize
+    return config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -40,8 +48,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
         layers, kv_heads, head_dim = kv_shape(self.model)
-        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
-        self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
+        self.num_blocks = num_kv_blocks(self.model, config)
         slots = self.num_blocks * config.block_size
         self.kv_caches = [
             (torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device),
@@ -56,19 +63,29 @@ class ModelRunner:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _decode_slots(self, decodes: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
-        width = max(len(s.block_table) for s in decodes)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
-        positions = torch.arange(int(lens.max()))
-        slots = tables[:, positions // self.block_size] * self.block_size + positions % self.block_size
-        return slots.to(self.device), lens.to(self.device)
+    def _decode_groups(self, decodes: list[Sequence]) -> list[DecodeGroup]:
+        """Split the decodes (sorted by context length) where a context exceeds DECODE_PAD_RATIO
+        times the group's shortest, and build each group's tables and length bias once per step."""
+        lens = [s.num_computed_tokens + 1 for s in decodes]
+        starts = [0] if decodes else []
+        for i in range(1, len(lens)):
+            if lens[i] > DECODE_PAD_RATIO * lens[starts[-1]]:
+                starts.append(i)
+        groups = []
+        for start, end in zip(starts, starts[1:] + [len(lens)]):
+            width = max(len(s.block_table) for s in decodes[start:end])
+            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes[start:end]])
+            group_lens = torch.tensor(lens[start:end])
+            bias = length_bias(group_lens, width * self.block_size, self.dtype)
+            groups.append(DecodeGroup(start, end, tables.to(self.device), group_lens.to(self.device),
+                                      bias.to(self.device)))
+        return groups
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
         K sequences whose prompt is now fully computed, in the order returned."""
-        decodes = [s for s, n in batch.num_tokens.items() if n == 1]
+        decodes = sorted((s for s, n in batch.num_tokens.items() if n == 1), key=lambda s: s.num_computed_tokens)
         prefills = [(s, n) for s, n in batch.num_tokens.items() if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -89,13 +106,12 @@ class ModelRunner:
                 sampling.append(seq)
                 last_rows.append(row + n - 1)
 
-        decode_slots, decode_lens = self._decode_slots(decodes) if decodes else (None, None)
         metadata = AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
             num_decodes=len(decodes),
-            decode_slots=decode_slots,
-            decode_context_lens=decode_lens,
+            block_size=self.block_size,
+            decode_groups=self._decode_groups(decodes),
             prefills=spans,
         )
         if not sampling:

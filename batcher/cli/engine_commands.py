@@ -6,6 +6,7 @@ import click
 
 from batcher.cli import main
 from batcher.cli.options import engine_options
+from batcher.config import EngineConfig
 
 
 @main.command()
@@ -38,28 +39,74 @@ def run(engine_config, input_path, output_path, print_texts):
     click.echo(f"{len(results) - failed} succeeded, {failed} failed -> {output_path.name}", err=True)
 
 
+def _systems(ctx, param, value):
+    from workers.bench_run import SYSTEMS
+
+    systems = [s.strip() for s in value.split(",") if s.strip()] if value else []
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return systems
+
+
 @main.command()
 @engine_options
 @click.option("--workload", required=True, help="A workload file, or a bundled one: skew, skew-small, summarise, "
               "mixed, interference.")
+@click.option("--systems", callback=_systems, help="Comma-separated systems to run, in order: batcher:continuous, "
+              "batcher:static, hf-cb, hf-static, hf-naive. Default: batcher with --policy.")
+@click.option("--baseline", help="The system the ratios are against (default: the first one).")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
               help="torch CPU threads (set explicitly: on a shared CPU, threads fight).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full report as JSON.")
-def bench(engine_config, workload, threads, json_path):
-    """Run a benchmark workload through the engine and report throughput and latency."""
-    import json
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Write a PNG: slot occupancy (static against continuous) and tokens over time (needs matplotlib).")
+def bench(engine_config, workload, systems, baseline, threads, json_path, plot_path):
+    """Run a workload through several systems on equal terms; print a table with ratios to a baseline.
 
-    import torch
+    Slots (--max-num-seqs), page size (--block-size), KV blocks and the token budget
+    (--max-num-batched-tokens) apply to every system that has them; hf-static batches --max-num-seqs
+    requests per group. Greedy tokens are compared with the baseline's, and every difference is shown.
+    """
+    import json
 
     from batcher.workload import load_workload, workload_path
     from workers.bench import run_bench
-    from workers.engine import build_engine
 
-    torch.set_num_threads(threads)
+    systems = systems or [f"batcher:{engine_config.policy}"]
+    baseline = baseline or systems[0]
+    if baseline not in systems:
+        raise click.BadParameter(f"{baseline!r} is not among --systems", param_hint="--baseline")
     items = load_workload(workload)
-    engine = build_engine(engine_config)
-    report, _ = run_bench(engine, items, workload_path(workload).stem, threads)
-    click.echo(report.summary())
+    report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads)
+    click.echo(report.table())
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report.to_dict(), f, indent=1)
+    if plot_path:
+        from workers.bench_plot import plot_report
+
+        plot_report(report, plot_path)
+    if not report.all_agree:
+        click.echo("warning: greedy tokens differ between systems (listed above)", err=True)
+
+
+DEMO_MAX_NUM_SEQS = 4  # fewer slots than jobs, so the jobs contend for slots as on a busy worker
+
+
+@main.command()
+@click.option("--redis-url", envvar="BATCHER_REDIS_URL", help="A real Redis; default: an embedded one.")
+@click.option("--model", default="smollm2", envvar="BATCHER_MODEL", show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(1), default=DEMO_MAX_NUM_SEQS, show_default=True)
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Then run the same jobs under static batching and print the ratio.")
+def demo(redis_url, model, max_num_seqs, compare):
+    """Summarise the bundled documents through Redis and a worker, live, on the bundled model."""
+    from batcher.client import connect
+    from workers.demo import run_demo
+    from workers.engine import build_engine
+    from workers.rq_worker import embedded_redis
+
+    connection = connect(redis_url) if redis_url else embedded_redis()
+    engine = build_engine(EngineConfig(model=model, max_num_seqs=max_num_seqs))
+    run_demo(connection, engine, compare)

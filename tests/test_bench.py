@@ -1,0 +1,99 @@
+"""The benchmark harness on a tiny model: every system runs, agrees on greedy tokens, and reports."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from batcher.cli import main
+from batcher.config import EngineConfig
+from batcher.workload import WorkloadRequest
+from workers.bench import run_bench
+from workers.bench_report import ModelCost, first_difference, percentiles
+from workers.bench_run import SYSTEMS
+
+WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
+            for i, (prompt_len, max_tokens) in enumerate([(9, 3), (21, 12), (5, 6), (14, 2), (30, 5)])]
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=2, max_num_batched_tokens=16,
+                          block_size=4, kv_cache_bytes=1 << 20)
+    return run_bench(WORKLOAD, "tiny", list(SYSTEMS), "batcher:static", config, threads=1)
+
+
+def test_every_system_generates_the_same_greedy_tokens(report):
+    assert [s.system for s in report.systems] == list(SYSTEMS)
+    for s in report.systems:
+        assert s.generated_tokens == sum(w.max_tokens for w in WORKLOAD), s.system
+        assert s.mismatched_requests == [], s.system
+    assert report.all_agree
+
+
+def test_metrics_are_derived_from_per_token_times(report):
+    table = report.table()
+    for s in report.systems:
+        assert s.generated_tok_s > 0 and s.prompt_tok_s > 0
+        assert 0 < s.mean_occupancy <= 1
+        assert s.ttft_s["p50"] <= s.ttft_s["max"] and s.itl_s["p50"] <= s.itl_s["max"]
+        assert s.cumulative_tokens[-1][1] == s.generated_tokens
+        assert 0 < s.mfu < 1 and s.peak_rss_mb > 0
+        assert s.system in table
+    assert report.system("batcher:static").mean_batch < report.system("batcher:continuous").mean_batch + 1e-9
+    assert json.loads(json.dumps(report.to_dict()))["baseline"] == "batcher:static"
+
+
+def test_a_disagreement_is_reported():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_model_cost_counts_weights_and_attention(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
+    cost = ModelCost.of(model)
+    # 2 layers of q, k, v, o (64x64, 64x32, 64x32, 64x64) and gate, up, down (64x128 each); head 384x64
+    assert cost.matmul_params == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
+    assert cost.head_params == 384 * 64
+    assert cost.request_flops(1, 1) == 2 * cost.matmul_params + 2 * cost.head_params + cost.attention_flops_per_key
+
+
+def test_percentiles():
+    assert percentiles([]) == {"p50": None, "p99": None, "max": None}
+    assert percentiles([3.0, 1.0, 2.0]) == {"p50": 2.0, "p99": 3.0, "max": 3.0}
+
+
+def test_cli_runs_systems_and_writes_json_and_plot(tiny_model_dir, tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"id": w.id, "prompt_len": w.prompt_len, "max_tokens": w.max_tokens,
+                                            "arrival_s": 0.0}) + "\n" for w in WORKLOAD[:3]))
+    pytest.importorskip("matplotlib")
+    result = CliRunner().invoke(main, [
+        "bench", "--model", str(tiny_model_dir("llama")), "--workload", str(workload), "--max-num-seqs", "2",
+        "--kv-cache-bytes", str(1 << 20), "--systems", "batcher:continuous,hf-naive", "--baseline", "hf-naive",
+        "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+    assert result.exit_code == 0, result.output
+    assert "batcher:continuous" in result.output and "x hf-naive" in result.output
+    assert json.loads((tmp_path / "r.json").read_text())["systems"][1]["system"] == "hf-naive"
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_refuses_an_unknown_system_or_baseline(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "--workload", "skew-small", "--systems", "vllm"])
+    assert result.exit_code != 0 and "unknown vllm" in result.output
+    result = CliRunner().invoke(main, ["bench", "--workload", "skew-small", "--systems", "hf-cb", "--baseline",
+                                       "hf-naive"])
+    assert result.exit_code != 0 and "not among --systems" in result.output
+
+
+def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
+    """Workloads generate exactly max_tokens: the model's default EOS must not end a row early."""
+    from workers.bench_hf import load_hf_model, run_hf_naive
+
+    model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama"))))
+    first = run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"]
+    model.generation_config.eos_token_id = first[0]
+    assert run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"] == first

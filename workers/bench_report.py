@@ -1,0 +1,196 @@
+"""Metrics of `batcher bench`, derived the same way from every system's `SystemRun`.
+
+- throughput: generated and prompt tokens over the wall time of the run;
+- latency: time to first token (from arrival) and inter-token gaps, from per-token timestamps;
+- slot occupancy: sequences doing useful work per step, over the system's slots;
+- model FLOP utilisation: the model's useful FLOPs (no padding, no recompute) per second, over
+  a matmul probe measured in the same process at the same thread count;
+- correctness: every system's greedy tokens against the baseline's, with every difference listed.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from batcher.workload import WorkloadRequest
+from workers.bench_run import SystemRun
+
+PROBE_SIZE = 1024  # square fp32 matmul: large enough to run at the CPU's peak, small enough to take ~10 ms
+PROBE_REPEATS = 10
+MB = 1 << 20
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "max": None}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"p50": at(0.50), "p99": at(0.99), "max": ordered[-1]}
+
+
+def matmul_probe(dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+    """The best FLOP/s of a square matmul here and now: the ceiling the model's matmuls could reach."""
+    a = torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype, device=device)
+    b = torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(PROBE_REPEATS + 1):
+        started = time.perf_counter()
+        (a @ b).sum().item()  # .item() waits for the device
+        best = min(best, time.perf_counter() - started)
+    return 2 * PROBE_SIZE**3 / best
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """FLOPs of one token: weights (2 per multiply-add) plus attention over its context."""
+
+    matmul_params: int  # every weight matrix a token goes through, except the embeddings and the LM head
+    head_params: int  # the LM head, which runs only on tokens that sample
+    attention_flops_per_key: int  # QK^T and PV over all layers, per key in the context
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelCost:
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        head = model.get_output_embeddings().weight
+        matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings and p is not head]
+        return cls(matmul_params=sum(p.numel() for p in matrices), head_params=head.numel(),
+                   attention_flops_per_key=4 * config.num_hidden_layers * heads * head_dim)
+
+    def request_flops(self, prompt_len: int, generated: int) -> int:
+        """A request's useful FLOPs: every token but the last one is fed through the model once."""
+        fed = prompt_len + generated - 1
+        keys = fed * (fed + 1) // 2  # token i attends to i + 1 keys
+        return 2 * self.matmul_params * fed + 2 * self.head_params * generated + self.attention_flops_per_key * keys
+
+
+@dataclass
+class SystemReport:
+    system: str
+    wall_s: float
+    generated_tokens: int
+    generated_tok_s: float
+    prompt_tok_s: float
+    ttft_s: dict
+    itl_s: dict
+    slots: int
+    mean_batch: float
+    mean_occupancy: float
+    peak_rss_mb: float
+    model_gflop_s: float
+    mfu: float
+    preemptions: int
+    mismatched_requests: list[dict]  # [{"id", "first_difference"}] against the baseline's tokens
+    notes: list[str]
+    cumulative_tokens: list[tuple[float, int]]  # for the plot
+    occupancy: list[tuple[float, int]]  # (step end, sequences in it)
+
+
+@dataclass
+class BenchReport:
+    workload: str
+    model: str
+    threads: int
+    device: str
+    versions: dict
+    probe_gflop_s: float
+    baseline: str
+    requests: int
+    prompt_tokens: int
+    systems: list[SystemReport] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def system(self, name: str) -> SystemReport:
+        return next(s for s in self.systems if s.system == name)
+
+    @property
+    def all_agree(self) -> bool:
+        return not any(s.mismatched_requests for s in self.systems)
+
+    def table(self) -> str:
+        base = self.system(self.baseline).generated_tok_s
+        ms = lambda d, k: "-" if d[k] is None else f"{d[k] * 1000:.0f}"  # noqa: E731
+        header = (f"{'system':<20}{'gen tok/s':>10}{'x ' + self.baseline:>24}{'prompt tok/s':>13}"
+                  f"{'TTFT ms p50/p99/max':>22}{'ITL ms p50/p99/max':>21}{'occupancy':>11}{'RSS MB':>8}"
+                  f"{'MFU':>6}  greedy tokens")
+        lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens; model {self.model}; "
+                 f"{self.threads} thread(s) on {self.device}; matmul probe {self.probe_gflop_s:.0f} GFLOP/s; "
+                 + ", ".join(f"{k} {v}" for k, v in self.versions.items()), header]
+        for s in self.systems:
+            agree = "baseline" if s.system == self.baseline else (
+                "agree" if not s.mismatched_requests else f"DIFFER in {len(s.mismatched_requests)} requests")
+            lines.append(
+                f"{s.system:<20}{s.generated_tok_s:>10.1f}{s.generated_tok_s / base:>23.2f}x{s.prompt_tok_s:>13.1f}"
+                f"{ms(s.ttft_s, 'p50') + '/' + ms(s.ttft_s, 'p99') + '/' + ms(s.ttft_s, 'max'):>22}"
+                f"{ms(s.itl_s, 'p50') + '/' + ms(s.itl_s, 'p99') + '/' + ms(s.itl_s, 'max'):>21}"
+                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}  {agree}")
+        for s in self.systems:
+            for m in s.mismatched_requests:
+                lines.append(f"  ! {s.system} request {m['id']}: greedy tokens differ from {self.baseline} "
+                             f"from token {m['first_difference']}")
+            lines.extend(f"  note: {n}" for n in s.notes)
+        return "\n".join(lines)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def system_report(run: SystemRun, workload: list[WorkloadRequest], cost: ModelCost, probe_flop_s: float,
+                  baseline: SystemRun) -> SystemReport:
+    arrival = {w.id: w.arrival_s for w in workload}
+    generated = sum(len(t) for t in run.tokens.values())
+    ttft = [times[0] - arrival[rid] for rid, times in run.token_times.items() if times]
+    itl = [b - a for times in run.token_times.values() for a, b in zip(times, times[1:])]
+    stamps = sorted(t for times in run.token_times.values() for t in times)
+    flops = sum(cost.request_flops(w.prompt_len, len(run.tokens.get(w.id, []))) for w in workload)
+    mismatched = []
+    for w in workload:
+        at = first_difference(run.tokens.get(w.id, []), baseline.tokens.get(w.id, []))
+        if at is not None:
+            mismatched.append({"id": w.id, "first_difference": at})
+    mean_batch = sum(n for _, n in run.steps) / len(run.steps) if run.steps else 0.0
+    return SystemReport(
+        system=run.system, wall_s=run.wall_s, generated_tokens=generated,
+        generated_tok_s=generated / run.wall_s, prompt_tok_s=sum(w.prompt_len for w in workload) / run.wall_s,
+        ttft_s=percentiles(ttft), itl_s=percentiles(itl), slots=run.slots, mean_batch=mean_batch,
+        mean_occupancy=mean_batch / run.slots, peak_rss_mb=run.peak_rss_bytes / MB,
+        model_gflop_s=flops / run.wall_s / 1e9, mfu=flops / run.wall_s / probe_flop_s,
+        preemptions=run.preemptions, mismatched_requests=mismatched, notes=run.notes,
+        cumulative_tokens=[(t, i + 1) for i, t in enumerate(stamps)], occupancy=run.steps,
+    )
+
+
+def environment(device: torch.device) -> tuple[str, dict]:
+    """The device in words, and the versions that produced the figures."""
+    import transformers
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_name() or platform.processor() or platform.machine()
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "python": platform.python_version()}
+    return f"{device.type} ({name})", versions
+
+
+def _cpu_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None

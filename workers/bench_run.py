@@ -1,0 +1,77 @@
+"""What a benchmark records of one system's run, and the helpers every system's runner shares.
+
+Every system (batcher in `workers.bench`, the transformers baselines in `workers.bench_hf`)
+produces a `SystemRun`: when each token appeared, which tokens, what each step computed, and the
+peak memory. `workers.bench_report` then derives every metric the same way for all of them.
+Arrival times in the workload are honoured: a request is submitted when its time has come.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from batcher.workload import WorkloadRequest
+
+# The names `batcher bench --systems` accepts (kept here, free of torch, for the CLI to check).
+SYSTEMS = ("batcher:continuous", "batcher:static", "hf-cb", "hf-static", "hf-naive")
+RSS_SAMPLE_INTERVAL_S = 0.02
+WARMUP_PROMPT_LEN = 16  # one tiny request first keeps first-call costs out of the measurement
+WARMUP_MAX_TOKENS = 2
+WARMUP_TOKEN_ID = 100
+
+
+@dataclass
+class SystemRun:
+    """What one system did with the workload. Times are seconds since the run started."""
+
+    system: str
+    slots: int  # sequences one step can hold
+    wall_s: float = 0.0
+    token_times: dict[str, list[float]] = field(default_factory=dict)  # request id -> one time per generated token
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> generated token ids
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (end time, sequences that did useful work)
+    peak_rss_bytes: int = 0
+    preemptions: int = 0
+    notes: list[str] = field(default_factory=list)  # how a figure was obtained, where it is an approximation
+
+
+class PeakRss:
+    """Samples this process's resident memory in a thread: `ru_maxrss` only ever grows over the
+    whole process, so it cannot tell one system's peak from the previous one's."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self.peak = 0
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            if self._stop.wait(RSS_SAMPLE_INTERVAL_S):
+                return
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+
+def by_arrival(workload: list[WorkloadRequest]) -> list[WorkloadRequest]:
+    return sorted(workload, key=lambda w: (w.arrival_s, w.index))
+
+
+def wait_until(start: float, offset_s: float) -> None:
+    """Sleep until `offset_s` seconds after `start` (a perf_counter value)."""
+    delay = start + offset_s - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
