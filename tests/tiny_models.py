@@ -51,10 +51,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    chat_template=CHAT_TEMPLATE)
 
 
-def build_tiny_model(family: str, path: Path) -> Path:
+def build_tiny_model(family: str, path: Path, **config_overrides) -> Path:
     """Write a tiny random model of `family` and the tokenizer to `path`; return `path`."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family]())
+    config = FAMILIES[family]()
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # a wider logit spread makes greedy ties (and flaky comparisons) unlikely
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else None

@@ -17,7 +17,7 @@ from importlib import resources
 import click
 from redis import Redis
 
-from batcher.client import Client
+from batcher.client import Client, JobFailed
 from batcher.config import EngineConfig
 from batcher.openai_batch import parse_batch_line
 from batcher.schema import GenerationRequest
@@ -92,10 +92,19 @@ def run_jobs(connection: Redis, engine: Engine, queue: str, live: bool) -> tuple
         time.sleep(REDRAW_S)
     if live:
         _render(rows, first)
-    results = {p.name: client.result(j, timeout=RESULT_TIMEOUT_S) for j, p in zip(job_ids, rows)}
+    results = {}
+    for job_id, p in zip(job_ids, rows):
+        try:
+            results[p.name] = client.result(job_id, timeout=RESULT_TIMEOUT_S)
+        except JobFailed as exc:  # shown, not fatal: the other jobs' summaries still count
+            results[p.name] = exc
     wall = time.monotonic() - started
     serving.join()
     return results, wall
+
+
+def _generated(results: dict) -> int:
+    return sum(r.usage.completion_tokens for r in results.values() if not isinstance(r, JobFailed))
 
 
 def warm_up(engine: Engine) -> None:
@@ -112,16 +121,19 @@ def run_demo(connection: Redis, engine: Engine, compare: bool) -> None:
                f"{engine.config.max_num_seqs} slots, continuous batching:\n")
     results, wall = run_jobs(connection, engine, "demo", live)
     for name, result in results.items():
+        if isinstance(result, JobFailed):
+            click.echo(f"\n== {name}: failed ==\n{result}")
+            continue
         click.echo(f"\n== {name} ({result.usage.prompt_tokens} prompt tokens, {result.finish_reason}) ==")
         click.echo(result.text.strip())
-    generated = sum(r.usage.completion_tokens for r in results.values())
+    generated = _generated(results)
     click.echo(f"\ncontinuous batching: {generated} tokens in {wall:.1f}s = {generated / wall:.1f} tok/s")
     if not compare:
         return
     static = Engine(engine.loaded, EngineConfig(**{**engine.config.__dict__, "policy": "static"}))
     click.echo("\nThe same jobs under static batching (the batch is refilled only once it is empty)...")
     static_results, static_wall = run_jobs(connection, static, "demo-static", live=False)
-    static_generated = sum(r.usage.completion_tokens for r in static_results.values())
+    static_generated = _generated(static_results)
     click.echo(f"static batching: {static_generated / static_wall:.1f} tok/s; continuous batching: "
                f"{generated / wall:.1f} tok/s, {(generated / wall) / (static_generated / static_wall):.2f}x "
                f"(same jobs, model and slots, measured in this run)")

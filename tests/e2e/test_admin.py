@@ -146,7 +146,8 @@ def test_requeue_failed_puts_failed_jobs_back(worker):
 def test_drain_wait_returns_only_after_the_jobs_in_flight_finished(worker):
     url, connection, name, _, process = worker
     client = Client(connection, queue=QUEUE)
-    ids = client.submit_many([greedy(1500, prompt_token_ids=[50 + i, 60, 70]) for i in range(8)])
+    # Five times the slots of jobs that each run to the tiny model's context: seconds of work in flight.
+    ids = client.submit_many([greedy(500, prompt_token_ids=[50 + i, 60, 70]) for i in range(40)])
     wait_for(lambda: any(w["name"] == name and w["in_flight"] > 0
                          for w in json.loads(cli(url, "workers", "--json").output)), 60, "jobs in flight")
     timed_out = cli(url, "drain", name, "--wait", "--timeout", "0")
