@@ -6,6 +6,7 @@ No torch here: a backend needs only `pip install batcher`.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import Counter
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
@@ -38,6 +41,12 @@ POLL_S = 1.0  # how long one blocking read waits before the job's status is chec
 STOP_WAIT_S = 2.0  # how long cancel waits for a just-dequeued job to show as started
 STOP_POLL_S = 0.05
 DESCRIPTION_CHARS = 60
+# While waiting (result, stream), an unreachable Redis is retried from the first delay, doubling up to the
+# last, until the caller's timeout; redis-py has already retried each command for a few seconds by then.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
+RECONNECT_BACKOFF_S = (0.5, 5.0)
+
+log = logging.getLogger(__name__)
 
 TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
 
@@ -154,10 +163,10 @@ class Client:
             wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if wait <= 0:
                 raise TimeoutError(f"job {job_id}: no end of stream within {timeout} s")
-            reply = self.connection.xread({key: last_id}, block=max(1, int(wait * 1000)))
+            reply = self._retrying(deadline, self.connection.xread, {key: last_id}, block=max(1, int(wait * 1000)))
             if not reply:
-                end = self._inferred_end(job_id)
-                if end is not None and not self.connection.xread({key: last_id}):
+                end = self._retrying(deadline, self._inferred_end, job_id)
+                if end is not None and not self._retrying(deadline, self.connection.xread, {key: last_id}):
                     yield end
                     return
                 continue
@@ -176,18 +185,38 @@ class Client:
 
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
         """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError."""
-        job = self._fetch(job_id)
-        results_key = Result.get_key(job.id)
         deadline = None if timeout is None else time.monotonic() + timeout
+        job = self._retrying(deadline, self._fetch, job_id)
         while True:
-            newest = self.connection.xrevrange(results_key, count=1)  # read before the status: no lost wake-up
-            status = self._status(job)
-            if status in TERMINAL_STATUSES:
-                return self._ended(job, status)
-            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-            if wait <= 0:
-                raise TimeoutError(f"job {job_id} is still {status.value} after {timeout} s")
-            self.connection.xread({results_key: newest[0][0] if newest else "0-0"}, block=max(1, int(wait * 1000)))
+            result = self._retrying(deadline, self._wait_for_result, job, deadline, timeout)
+            if result is not None:
+                return result
+
+    def _wait_for_result(self, job: Job, deadline: float | None, timeout: float | None) -> GenerationResult | None:
+        """The result if the job has ended, else None after one blocking read of its results stream."""
+        results_key = Result.get_key(job.id)
+        newest = self.connection.xrevrange(results_key, count=1)  # read before the status: no lost wake-up
+        status = self._status(job)
+        if status in TERMINAL_STATUSES:
+            return self._ended(job, status)
+        wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+        if wait <= 0:
+            raise TimeoutError(f"job {job.id} is still {status.value} after {timeout} s")
+        self.connection.xread({results_key: newest[0][0] if newest else "0-0"}, block=max(1, int(wait * 1000)))
+        return None
+
+    def _retrying(self, deadline: float | None, call, *args, **kwargs):
+        """`call(...)`, retried with backoff while Redis is unreachable, until `deadline` (time.monotonic())."""
+        delay = RECONNECT_BACKOFF_S[0]
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except REDIS_ERRORS as exc:
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    raise
+                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(RECONNECT_BACKOFF_S[1], 2 * delay)
 
     # ----- control -----
     def cancel(self, job_id: str) -> bool:

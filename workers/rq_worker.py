@@ -31,6 +31,10 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from redis import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 from rq import worker_registration
 from rq.command import handle_command, parse_payload
 from rq.defaults import DEFAULT_FAILURE_TTL
@@ -59,6 +63,10 @@ DEFAULT_MAINTENANCE_INTERVAL_S = 60  # RQ's full registry maintenance (intermedi
 IDLE_WAIT_S = 1  # the longest an idle worker blocks on Redis (or waits while suspended)
 BUSY_RESCAN_S = 0.02  # a busy worker that found nothing to admit looks again after this long, not every step
 MIN_REDIS_VERSION = (6, 2, 0)  # LMOVE, which RQ's reliable dequeue needs
+# Redis unreachable (down, restarting, loading its AOF): redis-py retries each command for a few seconds
+# by itself; past that the worker backs off, from the first delay doubling up to the last, and goes on.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
+REDIS_BACKOFF_S = (0.5, 5.0)
 PICKLED_JOB_REASON = (
     "the job data is not JSON; it was probably enqueued with RQ's default pickle serializer. Enqueue with "
     "serializer=rq.serializers.JSONSerializer (a batcher worker never unpickles job data)"
@@ -114,6 +122,11 @@ class BatchWorker(BaseWorker):
                  on_job_end: JobEndHook | None = None) -> None:
         if lease_s < 1:
             raise ValueError(f"lease_s must be at least 1 second, got {lease_s}")
+        # redis-py re-sends a command (a whole MULTI pipeline too) whose reply was lost, so a write that did
+        # happen could happen twice: a job's Result recorded twice, a job requeued twice. This worker retries
+        # at its own level instead (work's backoff; an unrecorded job's lease runs out and it is retried).
+        connection.set_retry(Retry(NoBackoff(), 0))
+        wait_for_redis(connection)  # RQ's own __init__ talks to Redis
         super().__init__(list(queues), name=name, connection=connection, serializer=JSONSerializer,
                          maintenance_interval=DEFAULT_MAINTENANCE_INTERVAL_S)
         self.engine = engine
@@ -127,6 +140,7 @@ class BatchWorker(BaseWorker):
         self._rate_mark = (time.monotonic(), 0)  # (when, tokens_generated) at the last stats publication
         self._jobs: dict[str, InFlight] = {}  # by execution id, which is also the engine's request id
         self._ending: list[tuple[InFlight, JobEnd]] = []
+        self._end_buffered: set[str] = set()  # execution ids whose end event waits in a flush that failed
         self._stop_requests: set[str] = set()  # job ids, from the pubsub thread
         self._lost: set[str] = set()  # execution ids, from the keeper thread
         self._lock = threading.Lock()  # guards the three collections above across threads
@@ -168,8 +182,21 @@ class BatchWorker(BaseWorker):
         keeper = threading.Thread(target=self._keep_leases, name=f"lease-keeper-{self.name}", daemon=True)
         keeper.start()
         try:
-            while self._iterate(burst):
-                pass
+            backoff = 0.0
+            while True:
+                try:
+                    if not self._iterate(burst):
+                        break
+                    backoff = 0.0
+                except REDIS_ERRORS as exc:  # the jobs in flight stay in flight; their ends are kept
+                    if self._force_stop:
+                        log.error("worker %s: Redis unreachable (%s) while stopping; the leases of %d jobs run out "
+                                  "and other workers retry them", self.name, exc, len(self._jobs))
+                        raise
+                    backoff = min(REDIS_BACKOFF_S[1], max(REDIS_BACKOFF_S[0], 2 * backoff))
+                    log.warning("worker %s: Redis unreachable (%s); retrying in %.1f s, %d jobs in flight",
+                                self.name, exc, backoff, len(self._jobs))
+                    time.sleep(backoff)
         finally:
             self._keeper_stop.set()
             keeper.join()
@@ -246,11 +273,15 @@ class BatchWorker(BaseWorker):
     def _fetch(self, job_ids: list[str]) -> list[Job | None]:
         try:
             return self.job_class.fetch_many(job_ids, connection=self.connection, serializer=self.serializer)
+        except REDIS_ERRORS:
+            raise  # not the jobs' fault: they stay in the intermediate list, which RQ's maintenance requeues
         except Exception:  # one unreadable hash fails the whole batch: read them one by one
             jobs = []
             for job_id in job_ids:
                 try:
                     jobs.append(self.job_class.fetch(job_id, connection=self.connection, serializer=self.serializer))
+                except REDIS_ERRORS:
+                    raise
                 except Exception as exc:
                     log.error("dropping job %s: RQ cannot read it: %s", job_id, exc)
                     jobs.append(None)
@@ -263,6 +294,8 @@ class BatchWorker(BaseWorker):
                                                job_class=self.job_class, serializer=self.serializer)
         except DequeueTimeout:
             return []
+        except REDIS_ERRORS:
+            raise
         except Exception as exc:  # a hash RQ cannot read: nothing can run it
             log.error("dropping job %s: RQ cannot read it: %s", getattr(exc, "job_id", None), exc)
             if getattr(exc, "job_id", None):
@@ -343,6 +376,9 @@ class BatchWorker(BaseWorker):
             if f is not None:
                 log.warning("job %s: lease lost; another worker runs it now", f.job.id)
                 self.engine.abort(execution_id)
+                self._ending = [(p, e) for p, e in self._ending if p is not f]  # ended, but not recorded in time
+                self.streams.discard(f.job.id)
+                self._end_buffered.discard(execution_id)
                 self._forget(f, JobEnd(f.job.id, execution_id, f.queue.name, "lost", reason="lease lost"))
         for f in [f for f in self._jobs.values() if f.job.id in stops]:
             out = self.engine.abort(f.execution.id, reason="cancelled")
@@ -386,21 +422,32 @@ class BatchWorker(BaseWorker):
 
     def _end_jobs(self) -> None:
         """Check the leases of the jobs that ended, write the stream events, then record the results:
-        a reader that sees a job finished already finds its last event in the stream."""
-        ending, self._ending = self._ending, []
+        a reader that sees a job finished already finds its last event in the stream.
+
+        If Redis is unreachable (the check or the flush raises), the ended jobs stay in `_ending`, with
+        their leases kept by the keeper, and the next call tries again: each end event is buffered once,
+        and the buffer outlives a failed flush."""
+        ending = self._ending
         held = self._leases_held([f for f, _ in ending]) if ending else []
         for i, ((f, end), ok) in enumerate(zip(ending, held)):
             if not ok:
                 log.warning("job %s: lease lost before its end was recorded; another worker runs it now", f.job.id)
                 self.streams.discard(f.job.id)
+                self._end_buffered.discard(f.execution.id)
                 ending[i] = (f, JobEnd(f.job.id, f.execution.id, f.queue.name, "lost", reason="lease lost"))
-            elif end.status == "failed":
+                continue
+            if f.execution.id in self._end_buffered:
+                continue
+            if end.status == "failed":
                 self.streams.error(f.job.id, f.execution.id, end.reason, f.failure_ttl)
             else:
                 ttl = f.result_ttl if end.status == "finished" else f.failure_ttl
                 self.streams.done(f.job.id, f.execution.id, end.result.finish_reason, end.result.usage, ttl)
+            self._end_buffered.add(f.execution.id)
         self.streams.flush(force=bool(ending))
+        self._ending = []
         for f, end in ending:
+            self._end_buffered.discard(f.execution.id)
             if end.status != "lost":
                 try:
                     self._record(f, end)
@@ -409,10 +456,13 @@ class BatchWorker(BaseWorker):
             self._forget(f, end)
 
     def _leases_held(self, ended: list[InFlight]) -> list[bool]:
+        """Whether this worker still holds each job's lease, with a margin: a lease about to expire (or
+        expired while Redis was unreachable) may be retried by another worker's cleanup at any moment."""
         with self.connection.pipeline(transaction=False) as pipe:
             for f in ended:
                 pipe.zscore(f.queue.started_job_registry.key, f.execution.composite_key)
-            return [score is not None for score in pipe.execute()]
+            valid_from = current_timestamp() + self.lease_s / (2 * HEARTBEATS_PER_LEASE)
+            return [score is not None and score >= valid_from for score in pipe.execute()]
 
     def _record(self, f: InFlight, end: JobEnd) -> None:
         """Write the RQ Result and registries through RQ's handlers, one job at a time."""
@@ -508,14 +558,20 @@ class BatchWorker(BaseWorker):
                 self._publish_stats(pipe)
             except Exception:  # the figures are for people; the leases must be extended regardless
                 log.exception("worker %s: could not gather its stats", self.name)
-            score_at = []
+            score_at, old_score_at = [], []
             for f in in_flight:
                 registry = f.queue.started_job_registry
+                old_score_at.append(len(pipe))
+                pipe.zscore(registry.key, f.execution.composite_key)
                 f.execution.heartbeat(registry, self.lease_s, pipeline=pipe)  # ZADD XX: never revives a lost lease
                 score_at.append(len(pipe))
                 pipe.zscore(registry.key, f.execution.composite_key)
+            checked_at = current_timestamp()
             replies = pipe.execute()
-        lost = {f.execution.id for f, at in zip(in_flight, score_at) if replies[at] is None}
+        # Lost: gone from the registry, or expired before this heartbeat (after Redis was unreachable for
+        # longer than a lease): another worker's cleanup may be retrying it already, so it is not revived.
+        lost = {f.execution.id for f, at, old_at in zip(in_flight, score_at, old_score_at)
+                if replies[at] is None or (replies[old_at] or 0) < checked_at}
         if lost:
             with self._lock:
                 self._lost |= lost
@@ -601,3 +657,29 @@ class BatchWorker(BaseWorker):
             hook(self, arg)
         except Exception:  # an ops hook must not stop the jobs
             log.exception("worker %s: hook %r failed", self.name, hook)
+
+
+def wait_for_redis(connection: Redis) -> None:
+    """Return once Redis answers; until then, say so and retry with backoff (a worker may start first)."""
+    delay = REDIS_BACKOFF_S[0]
+    while True:
+        try:
+            connection.ping()
+            return
+        except REDIS_ERRORS as exc:
+            kwargs = connection.connection_pool.connection_kwargs
+            where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+            log.warning("cannot reach Redis at %s (%s); retrying in %.1f s", where, exc, delay)
+            time.sleep(delay)
+            delay = min(REDIS_BACKOFF_S[1], 2 * delay)
+
+
+def embedded_redis() -> Redis:
+    """An in-process Redis (fakeredis) that threads of this process share, for demos.
+
+    fakeredis answers no INFO, so RQ is told the server version it would otherwise ask for."""
+    import fakeredis
+
+    connection = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    setattr(connection, "__rq_redis_server_version", (7, 2, 0))
+    return connection

@@ -77,7 +77,7 @@ class StreamWriter:
         """Write what is buffered: now if `force`, else once STREAM_FLUSH_S has passed since the last write."""
         if not self._pending or (not force and time.monotonic() - self._flushed_at < STREAM_FLUSH_S):
             return
-        pending, self._pending = self._pending, {}
+        pending = self._pending  # kept if the write fails (Redis unreachable): the next flush writes it
         self._flushed_at = time.monotonic()
         # Not a transaction: a lost attempt's write slipping in between the DEL and the restart is
         # harmless, since readers drop everything before a restart anyway.
@@ -91,6 +91,7 @@ class StreamWriter:
                 if p.set_ttl:
                     _expire(pipe, key, p.ttl)
             pipe.execute()
+        self._pending = {}
 
     def _add(self, job_id: str, event: StreamEvent, ttl: int | None) -> None:
         pending = self._pending.setdefault(job_id, _Pending())

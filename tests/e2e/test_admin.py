@@ -99,7 +99,13 @@ def test_metrics_scraped_over_http_move_while_jobs_run(worker):
     assert seen_running
     for job_id in ids:
         client.result(job_id, timeout=120)
-    after = scrape(port)
+    # The worker counts a step's tokens just after recording its results: wait for the last step's.
+    def counted_all():
+        now = scrape(port)
+        generated = sample(now, "batcher_generation_tokens_total") - sample(before, "batcher_generation_tokens_total")
+        return now if generated >= 6 * 300 else None
+
+    after = wait_for(counted_all, 30, "the last step's tokens in /metrics")
     assert sample(after, "batcher_generation_tokens_total") - sample(before, "batcher_generation_tokens_total") \
         >= 6 * 300
     assert sample(after, 'batcher_request_success_total{finished_reason="length"') \
