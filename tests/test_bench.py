@@ -10,6 +10,7 @@ from batcher.config import EngineConfig
 from batcher.workload import WorkloadRequest
 from workers.bench import run_bench
 from workers.bench_report import ModelCost, first_difference, percentiles
+from tests.jobs_support import claim_database, release_database
 from workers.bench_run import SYSTEMS
 
 WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
@@ -18,9 +19,15 @@ WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
 
 @pytest.fixture(scope="module")
 def report(tiny_model_dir):
+    """Every system, the @redis ones through a database of the real Redis that only this module uses."""
     config = EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=2, max_num_batched_tokens=16,
                           block_size=4, kv_cache_bytes=1 << 20)
-    return run_bench(WORKLOAD, "tiny", list(SYSTEMS), "batcher:static", config, threads=1)
+    url, connection = claim_database()
+    try:
+        yield run_bench(WORKLOAD, "tiny", list(SYSTEMS), "batcher:static", config, threads=1, redis_url=url)
+        assert not connection.keys("batcher:stream:*"), "the @redis runs left their streams behind"
+    finally:
+        release_database(connection)
 
 
 def test_every_system_generates_the_same_greedy_tokens(report):

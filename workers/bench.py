@@ -18,7 +18,7 @@ from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
 from batcher.workload import WorkloadRequest
 from workers.bench_report import BenchReport, ModelCost, environment, matmul_probe, system_report
-from workers.bench_run import (SYSTEMS, WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, WARMUP_TOKEN_ID, PeakRss, SystemRun,
+from workers.bench_run import (REDIS_SUFFIX, SYSTEMS, WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, WARMUP_TOKEN_ID, PeakRss, SystemRun,
                                by_arrival, wait_until)
 from workers.engine import Engine, build_engine
 from workers.runner import DTYPES, resolve_device
@@ -67,11 +67,21 @@ def run_batcher(engine: Engine, workload: list[WorkloadRequest]) -> SystemRun:
     return run
 
 
-def run_system(system: str, config: EngineConfig, workload: list[WorkloadRequest]) -> tuple[SystemRun, ModelCost]:
+def run_system(system: str, config: EngineConfig, workload: list[WorkloadRequest],
+               redis_url: str | None = None) -> tuple[SystemRun, ModelCost]:
     """Load the model for one system, run the workload, and return the run and the model's cost."""
     if system.startswith("batcher:"):
-        engine = build_engine(replace(config, policy=system.removeprefix("batcher:")))
-        return run_batcher(engine, workload), ModelCost.of(engine.runner.model)
+        policy = system.removeprefix("batcher:").removesuffix(REDIS_SUFFIX)
+        engine = build_engine(replace(config, policy=policy))
+        if not system.endswith(REDIS_SUFFIX):
+            return run_batcher(engine, workload), ModelCost.of(engine.runner.model)
+        from batcher.client import connect
+        from workers.bench_redis import run_batcher_redis
+
+        warm_up(engine)
+        vocab = engine.loaded.vocab_size
+        run = run_batcher_redis(engine, workload, connect(redis_url), lambda item: workload_request(item, vocab))
+        return run, ModelCost.of(engine.runner.model)
 
     from workers import bench_hf
     from workers.runner import num_kv_blocks
@@ -91,7 +101,7 @@ def run_system(system: str, config: EngineConfig, workload: list[WorkloadRequest
 
 
 def run_bench(workload: list[WorkloadRequest], name: str, systems: list[str], baseline: str,
-              config: EngineConfig, threads: int) -> BenchReport:
+              config: EngineConfig, threads: int, redis_url: str | None = None) -> BenchReport:
     """Run every system on the workload and compare them against `baseline` (one of `systems`)."""
     if baseline not in systems:
         raise ValueError(f"the baseline {baseline!r} must be one of the systems run: {', '.join(systems)}")
@@ -101,7 +111,7 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[str], ba
     runs: dict[str, SystemRun] = {}
     cost = None
     for system in systems:
-        runs[system], cost = run_system(system, config, workload)
+        runs[system], cost = run_system(system, config, workload, redis_url)
         gc.collect()
     probe = max(probe, matmul_probe(DTYPES[config.dtype], str(device)))  # the better of before and after
     device_name, versions = environment(device)

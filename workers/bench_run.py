@@ -17,7 +17,9 @@ import psutil
 from batcher.workload import WorkloadRequest
 
 # The names `batcher bench --systems` accepts (kept here, free of torch, for the CLI to check).
-SYSTEMS = ("batcher:continuous", "batcher:static", "hf-cb", "hf-static", "hf-naive")
+REDIS_SUFFIX = "@redis"  # a batcher system served through Redis and a worker instead of driven directly
+BATCHER_SYSTEMS = ("batcher:continuous", "batcher:static")
+SYSTEMS = (*BATCHER_SYSTEMS, *(s + REDIS_SUFFIX for s in BATCHER_SYSTEMS), "hf-cb", "hf-static", "hf-naive")
 RSS_SAMPLE_INTERVAL_S = 0.02
 WARMUP_PROMPT_LEN = 16  # one tiny request first keeps first-call costs out of the measurement
 WARMUP_MAX_TOKENS = 2

@@ -54,14 +54,19 @@ def _systems(ctx, param, value):
 @click.option("--workload", required=True, help="A workload file, or a bundled one: skew, skew-small, summarise, "
               "mixed, interference.")
 @click.option("--systems", callback=_systems, help="Comma-separated systems to run, in order: batcher:continuous, "
-              "batcher:static, hf-cb, hf-static, hf-naive. Default: batcher with --policy.")
+              "batcher:static, hf-cb, hf-static, hf-naive; a batcher system with the suffix @redis is served "
+              "through Redis and a worker. Default: batcher with --policy.")
+@click.option("--through", type=click.Choice(["engine", "redis"]), default="engine", show_default=True,
+              help="redis: run the batcher systems as jobs through Redis and a worker (arrival times honoured).")
+@click.option("--redis-url", envvar="BATCHER_REDIS_URL", default="redis://localhost:6379/0", show_default=True,
+              help="The Redis of --through redis and of @redis systems.")
 @click.option("--baseline", help="The system the ratios are against (default: the first one).")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
               help="torch CPU threads (set explicitly: on a shared CPU, threads fight).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full report as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Write a PNG: slot occupancy (static against continuous) and tokens over time (needs matplotlib).")
-def bench(engine_config, workload, systems, baseline, threads, json_path, plot_path):
+def bench(engine_config, workload, systems, through, redis_url, baseline, threads, json_path, plot_path):
     """Run a workload through several systems on equal terms; print a table with ratios to a baseline.
 
     Slots (--max-num-seqs), page size (--block-size), KV blocks and the token budget
@@ -74,11 +79,13 @@ def bench(engine_config, workload, systems, baseline, threads, json_path, plot_p
     from workers.bench import run_bench
 
     systems = systems or [f"batcher:{engine_config.policy}"]
+    if through == "redis":
+        systems = [s + "@redis" if s in ("batcher:continuous", "batcher:static") else s for s in systems]
     baseline = baseline or systems[0]
     if baseline not in systems:
         raise click.BadParameter(f"{baseline!r} is not among --systems", param_hint="--baseline")
     items = load_workload(workload)
-    report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads)
+    report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads, redis_url)
     click.echo(report.table())
     if json_path:
         with open(json_path, "w") as f:
