@@ -16,7 +16,7 @@ import torch
 from batcher.blocks import blocks_needed
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Scheduler, Sequence
-from batcher.schema import GenerationRequest
+from batcher.schema import GenerationRequest, GenerationResult, Timings, Usage
 from workers.detokenize import IncrementalDetokenizer
 from workers.models import LoadedModel
 from workers.runner import ModelRunner
@@ -45,6 +45,19 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    def to_result(self, timings: Timings | None = None, worker: str | None = None,
+                  model: str | None = None) -> GenerationResult:
+        """The wire-format result of a request that finished."""
+        return GenerationResult(
+            text=self.text,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.token_ids)),
+            timings=timings or Timings(),
+            worker=worker,
+            model=model,
+        )
 
 
 @dataclass

@@ -9,21 +9,8 @@ import time
 from typing import Callable, Iterable
 
 from batcher.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
-from batcher.schema import GenerationResult, Timings, Usage
-from workers.engine import Engine, RequestError, RequestOutput
-
-
-def to_result(out: RequestOutput, timings: Timings | None = None, worker: str | None = None,
-              model: str | None = None) -> GenerationResult:
-    return GenerationResult(
-        text=out.text,
-        token_ids=out.token_ids,
-        finish_reason=out.finish_reason,
-        usage=Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids)),
-        timings=timings or Timings(),
-        worker=worker,
-        model=model,
-    )
+from batcher.schema import Timings
+from workers.engine import Engine, RequestError
 
 
 def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] = lambda: None) -> list[dict]:
@@ -54,7 +41,7 @@ def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] 
             if out.error:
                 results[index] = error_line(custom_id, out.error, code="generation_failed")
             else:
-                results[index] = response_line(custom_id, to_result(out, Timings(total_s=time.monotonic() - started),
-                                                                    model=engine.loaded.name))
+                results[index] = response_line(custom_id, out.to_result(Timings(total_s=time.monotonic() - started),
+                                                                     model=engine.loaded.name))
             on_done()
     return results

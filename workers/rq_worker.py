@@ -51,7 +51,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from batcher import keys
 from batcher.jobs import DEFAULT_LEASE_S, InvalidJob, request_from_job
 from batcher.scheduler import Sequence
-from batcher.schema import GenerationRequest, GenerationResult, Timings, Usage
+from batcher.schema import GenerationRequest, GenerationResult, Timings
 from workers.engine import Engine, RequestError, RequestOutput
 from workers.streams import StreamWriter
 
@@ -495,17 +495,9 @@ class BatchWorker(BaseWorker):
         ended = time.monotonic()
         job = f.job
         queue_s = (job.started_at - job.enqueued_at).total_seconds() if job.started_at and job.enqueued_at else None
-        return GenerationResult(
-            text=out.text,
-            token_ids=out.token_ids,
-            finish_reason=out.finish_reason,
-            usage=Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids)),
-            timings=Timings(queue_s=queue_s,
-                            ttft_s=None if f.first_token_at is None else f.first_token_at - f.admitted_at,
-                            total_s=ended - f.admitted_at),
-            worker=self.name,
-            model=self.model_name,
-        )
+        timings = Timings(queue_s=queue_s, ttft_s=None if f.first_token_at is None else f.first_token_at - f.admitted_at,
+                          total_s=ended - f.admitted_at)
+        return out.to_result(timings, worker=self.name, model=self.model_name)
 
     # ----- shutdown -----
     def request_stop(self, signum, frame) -> None:
