@@ -21,13 +21,13 @@ from batcher.client import Client, JobFailed
 from batcher.config import EngineConfig
 from batcher.openai_batch import parse_batch_line
 from batcher.schema import GenerationRequest
+from workers.bench import warm_up
 from workers.engine import Engine
 from workers.rq_worker import BatchWorker
 
 SAMPLES = "samples.jsonl"
 REDRAW_S = 0.5
 RESULT_TIMEOUT_S = 900
-WARM_UP_TOKENS = 4
 
 
 @dataclass
@@ -56,8 +56,10 @@ def _follow(client: Client, job_id: str, progress: Progress) -> None:
             elif event.type == "token":
                 progress.text += event.text
                 progress.tokens += len(event.token_ids)
+            elif event.type == "done":
+                progress.state = event.finish_reason
             else:
-                progress.state = event.finish_reason or "failed" if event.type == "done" else "failed"
+                progress.state = "failed"
 
 
 def _render(rows: list[Progress], first: bool) -> None:
@@ -105,13 +107,6 @@ def run_jobs(connection: Redis, engine: Engine, queue: str, live: bool) -> tuple
 
 def _generated(results: dict) -> int:
     return sum(r.usage.completion_tokens for r in results.values() if not isinstance(r, JobFailed))
-
-
-def warm_up(engine: Engine) -> None:
-    """One short request first, so neither timed run pays for the first forward's set-up."""
-    engine.add("warm-up", GenerationRequest(prompt="Hello", sampling={"max_tokens": WARM_UP_TOKENS}))
-    while engine.has_work():
-        engine.step()
 
 
 def run_demo(connection: Redis, engine: Engine, compare: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -18,6 +19,17 @@ redis_url_option = click.option(
     "--redis-url", default=DEFAULT_REDIS_URL, envvar=REDIS_URL_ENV, show_default=True,
     help="redis://[:password@]host:port/db, or rediss:// for TLS.")
 queue_option = click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True, help="The queue to submit to.")
+
+
+@contextlib.contextmanager
+def _existing_job():
+    """Turn an unknown job id into a one-line CLI error."""
+    from batcher.client import JobNotFound
+
+    try:
+        yield
+    except JobNotFound as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _client(redis_url: str, queue: str = keys.DEFAULT_QUEUE):
@@ -164,12 +176,8 @@ def _print_stream(client, job_id: str) -> int:
 @click.argument("job_id")
 def status(redis_url, job_id):
     """Show a job's status, queue position, worker, times and failure reason."""
-    from batcher.client import JobNotFound
-
-    try:
+    with _existing_job():
         info = _client(redis_url).status(job_id)
-    except JobNotFound as exc:
-        raise click.ClickException(str(exc)) from None
     for name, value in vars(info).items():
         if value is not None:
             click.echo(f"{name}: {value}")
@@ -180,12 +188,8 @@ def status(redis_url, job_id):
 @click.argument("job_id")
 def cancel(redis_url, job_id):
     """Cancel a queued job, or stop a running one (its partial text is kept in its stream)."""
-    from batcher.client import JobNotFound
-
-    try:
+    with _existing_job():
         cancelled = _client(redis_url).cancel(job_id)
-    except JobNotFound as exc:
-        raise click.ClickException(str(exc)) from None
     if not cancelled:
         raise click.ClickException(f"job {job_id} had already ended")
     click.echo(f"cancelled {job_id}")
