@@ -12,6 +12,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DTYPE = "float32"
 DEFAULT_DEVICE = "auto"
+DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash per filled block
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
 Policy = Literal["continuous", "static"]
@@ -33,6 +34,7 @@ class EngineConfig:
     dtype: str = DEFAULT_DTYPE
     device: str = DEFAULT_DEVICE
     policy: Policy = "continuous"
+    prefix_caching: bool = DEFAULT_PREFIX_CACHING
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):

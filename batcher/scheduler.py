@@ -11,6 +11,15 @@ Continuous policy, every step:
   3. when KV blocks run out, the latest-admitted running sequence is preempted by recompute:
      its blocks are freed and it goes back to the front of the queue.
 The static policy is the baseline: it admits only into an empty batch and prefills whole prompts.
+
+Prefix caching (`batcher.blocks`): an admitted sequence starts from the cached full blocks of its
+tokens, counted as computed, and always computes at least its last token (it needs its logits).
+Admission and preemption count only the blocks a sequence newly needs. Full blocks are named in the
+cache when they are *scheduled*, so a sequence admitted later in the same step starts from blocks that
+an earlier one fills in that step: the model writes every new key and value of a layer before any
+sequence attends in that layer, so they are there when read. Prompts that arrive together are admitted
+together in FIFO order; since a sequence is admitted only while budget remains, every one before it in
+the step has its whole prompt scheduled, so a prefix they share is computed once, by the first.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from batcher.blocks import BlockAllocator
+from batcher.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
 from batcher.config import EngineConfig
 from batcher.schema import SamplingParams
 
@@ -43,6 +52,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its first full blocks, as far as needed so far
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
     first_scheduled_step: int | None = None
     finished_step: int | None = None
     first_token_time: float | None = None
@@ -110,6 +121,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_cache_stats = PrefixCacheStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -127,7 +139,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.release(seq.block_table)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -175,26 +187,61 @@ class Scheduler:
             n = int(min(seq.num_uncomputed_tokens, budget))
             if self._reserve(seq, n, batch):
                 batch.num_tokens[seq] = n
+                self._cache_full_blocks(seq, n)
 
         while admit and not batch.preempted and self.waiting:
             budget = limit - batch.total_tokens
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
-            n = int(min(seq.num_uncomputed_tokens, budget))
-            if not self.allocator.can_grow(seq.block_table, seq.num_computed_tokens + n):
+            shared = self._cached_prefix(seq)
+            computed = len(shared) * self.allocator.block_size
+            n = int(min(seq.num_tokens - computed, budget))
+            new = blocks_needed(computed + n, self.allocator.block_size) - len(shared)
+            if not self.allocator.can_allocate(new, shared):
                 break
             self.waiting.popleft()
-            self.allocator.grow(seq.block_table, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq, shared, new)
             batch.num_tokens[seq] = n
+            self._cache_full_blocks(seq, n)
         return batch
+
+    def _admit(self, seq: Sequence, shared: list[int], new: int) -> None:
+        """Start `seq` from the cached blocks `shared` (their tokens computed) plus `new` fresh blocks."""
+        self.allocator.share(shared)  # first: the fresh blocks must not evict the shared ones
+        seq.block_table.extend(shared)
+        seq.block_table.extend(self.allocator.allocate(new))
+        seq.num_computed_tokens = len(shared) * self.allocator.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.allocator.prefix_caching:
+                self.prefix_cache_stats.queries += seq.num_prompt_tokens
+                self.prefix_cache_stats.hits += seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` can start from: at most all but its last token, which must be computed."""
+        if not self.allocator.prefix_caching:
+            return []
+        limit = (seq.num_tokens - 1) // self.allocator.block_size
+        chain_block_hashes(seq.token_ids, self.allocator.block_size, seq.block_hashes, limit)
+        return self.allocator.cached_prefix(seq.block_hashes[:limit])
+
+    def _cache_full_blocks(self, seq: Sequence, n: int) -> None:
+        """Name in the cache the blocks of `seq` that its `n` tokens of this step fill."""
+        if not self.allocator.prefix_caching:
+            return
+        size = self.allocator.block_size
+        start, end = seq.num_computed_tokens // size, (seq.num_computed_tokens + n) // size
+        if end > start:
+            chain_block_hashes(seq.token_ids, size, seq.block_hashes, end)
+            self.allocator.cache_full_blocks(seq.block_table, seq.block_hashes, start, end)
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Grow `seq`'s blocks for `n` more tokens, preempting the latest admitted until they fit."""
         target = seq.num_computed_tokens + n
-        while not self.allocator.can_grow(seq.block_table, target):
+        while not self.allocator.can_allocate(self.allocator.extra_blocks(seq.block_table, target)):
             victim = self.running[-1]
             self._preempt(victim)
             batch.preempted.append(victim)
@@ -207,8 +254,18 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV blocks and requeue at the front."""
         self.running.remove(seq)
-        self.allocator.release(seq.block_table)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop `seq`'s blocks. Blocks it was to fill in the step being run, but never did (preempted while
+        scheduling, or its forward failed), leave the cache; a sequence that started from one of them in
+        that step is preempted too, since their keys and values were never written."""
+        unfilled = self.allocator.uncache_unfilled(seq.block_table, seq.num_computed_tokens)
+        self.allocator.release(seq.block_table)
+        for other in [s for s in self.running if not unfilled.isdisjoint(s.block_table)]:
+            if other.status is SequenceStatus.RUNNING:  # not already preempted through a sequence it shared with
+                self._preempt(other)

@@ -96,6 +96,7 @@ class GenerationRequest(_Strict):
 class Usage(_Strict):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = Field(0, description="Prompt tokens found in the worker's prefix cache, not computed again")
 
     @property
     def total_tokens(self) -> int:

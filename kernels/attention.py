@@ -6,6 +6,9 @@ per sequence) come first, then prefill chunks. Keys and values live in a paged c
 
 `paged_attention` has the signature of a transformers attention function; the runner registers
 it and passes the step's `AttentionMetadata` as the `attn_metadata` keyword of the model call.
+
+Each layer writes the new keys and values of *all* sequences before any of them attends: with prefix
+caching, a sequence may start from blocks that another sequence fills in the same step.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from batcher.blocks import PrefixCacheStats
 from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest
 from workers.engine_api import RequestError, RequestOutput, StepStats
@@ -36,6 +37,7 @@ class FakeEngine:
         self.last_step: StepStats | None = None
         self.added: list[str] = []
         self._requests: dict[str, _Request] = {}
+        self._prefix_cache_stats = PrefixCacheStats()
 
     def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         if request.prompt == "too long":
@@ -67,6 +69,10 @@ class FakeEngine:
     @property
     def kv_cache_usage(self) -> float:
         return len(self._requests) / self.max_num_seqs
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._prefix_cache_stats
 
     def step(self) -> list[RequestOutput]:
         outputs = []

@@ -17,6 +17,7 @@ from workers.metrics import DEFAULT_METRICS_ADDR, FINISHED_REASONS, EngineMetric
 NUM_REQUESTS = 5
 MAX_TOKENS = 12
 PROMPT_LEN = 10
+BLOCK_SIZE = 4
 QUEUE_S, E2E_S = 0.5, 2.0
 
 # Exposed family name -> (type, label names). Dashboards and alerts are written against these.
@@ -34,15 +35,17 @@ EXPECTED_METRICS = {
     "batcher_prompt_tokens_total": ("counter", {"model_name"}),
     "batcher_generation_tokens_total": ("counter", {"model_name"}),
     "batcher_num_preemptions_total": ("counter", {"model_name"}),
+    "batcher_prefix_cache_queries_total": ("counter", {"model_name"}),
+    "batcher_prefix_cache_hits_total": ("counter", {"model_name"}),
     "batcher_request_success_total": ("counter", {"model_name", "finished_reason"}),
 }
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    # 3 slots for 5 requests, so some wait; 10 blocks of 4 tokens hold 3 prompts but not their
-    # outputs, so decoding preempts.
-    return build_engine(EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=3, block_size=4,
+    # 3 slots for 5 requests, so some wait; 10 blocks of 4 tokens hold 3 prompts (sharing two blocks)
+    # but not their outputs, so decoding preempts.
+    return build_engine(EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=3, block_size=BLOCK_SIZE,
                                      num_blocks=10, max_num_batched_tokens=32, device="cpu"))
 
 
@@ -130,6 +133,10 @@ def test_http_scrape_while_requests_run(engine):
     total_tokens = NUM_REQUESTS * MAX_TOKENS
     assert value(after, "batcher_generation_tokens_total", model_name=model) == total_tokens
     assert value(after, "batcher_prompt_tokens_total", model_name=model) == NUM_REQUESTS * PROMPT_LEN
+    # the same prompt each time: all but the first find its full blocks but the last token's in the cache
+    assert value(after, "batcher_prefix_cache_queries_total", model_name=model) == NUM_REQUESTS * PROMPT_LEN
+    cached = (PROMPT_LEN - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert value(after, "batcher_prefix_cache_hits_total", model_name=model) == (NUM_REQUESTS - 1) * cached
     assert value(after, "batcher_time_to_first_token_seconds_count", model_name=model) == NUM_REQUESTS
     assert value(after, "batcher_inter_token_latency_seconds_count", model_name=model) == total_tokens - NUM_REQUESTS
     assert value(after, "batcher_inter_token_latency_seconds_sum", model_name=model) > 0

@@ -15,7 +15,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
 
-from batcher import keys
+from batcher import admin, keys
 from batcher.client import Client, JobFailed
 from batcher.jobs import JOB_FUNCTION
 from batcher.schema import GenerationRequest, StreamEvent
@@ -313,3 +313,13 @@ def test_job_ids_without_a_readable_job_are_dropped_and_the_worker_goes_on(fake_
     make_worker(fake_redis).work(burst=True)
     assert client.result(good, timeout=10).text == expected_text(2)
     assert queue.job_ids == [] and fake_redis.llen(queue.intermediate_queue_key) == 0
+
+
+def test_heartbeat_publishes_the_workers_figures(fake_redis):
+    engine = FakeEngine(max_num_seqs=4)
+    engine.prefix_cache_stats.queries, engine.prefix_cache_stats.hits = 800, 600
+    worker = make_worker(fake_redis, engine)
+    worker.keeper.tick()
+    (stats,) = admin.list_workers(fake_redis)
+    assert (stats.name, stats.state, stats.free_slots, stats.model) == (worker.name, "idle", 4, "fake-model")
+    assert stats.prefix_cache_hit_rate == 0.75

@@ -3,6 +3,8 @@
 `simulate_step` drives the real `schedule()`/`update()` pair, standing in only for the forward: every
 sequence that samples this step draws token 7."""
 
+import itertools
+
 from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
 from batcher.scheduler import Scheduler, Sequence, SequenceStatus
@@ -14,8 +16,13 @@ def make(num_blocks=100, block_size=4, **cfg):
     return Scheduler(config, BlockAllocator(num_blocks, block_size))
 
 
+_first_ids = itertools.count(1, 1000)
+
+
 def seq(rid, prompt_len, max_tokens=4):
-    return Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+    """A sequence whose prompt shares no token with any other's (prefix caching is tested on its own)."""
+    first = next(_first_ids)
+    return Sequence(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens))
 
 
 TOKEN = 7

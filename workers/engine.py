@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batcher.blocks import blocks_needed
+from batcher.blocks import BlockAllocator, PrefixCacheStats, blocks_needed
 from batcher.config import EngineConfig
-from batcher.scheduler import ScheduledBatch, Scheduler, Sequence
+from batcher.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from batcher.schema import GenerationRequest, SamplingParams
 from workers.detokenize import IncrementalDetokenizer
 from workers.engine_api import RequestError, RequestOutput, StepStats
@@ -47,7 +47,8 @@ class Engine:
         self.runner = ModelRunner(loaded, config)
         limits = [v for v in (config.max_model_len, loaded.max_position_embeddings) if v]
         self.max_model_len = min(limits) if limits else 1 << 20
-        self.scheduler = Scheduler(config, self.runner.make_allocator(), loaded.eos_token_ids, self.max_model_len)
+        allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(config, allocator, loaded.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.runner.device)
         self.step_index = 0
         self.last_step: StepStats | None = None
@@ -79,6 +80,11 @@ class Engine:
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use."""
         return self.scheduler.allocator.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache, and found there, since the engine started."""
+        return self.scheduler.prefix_cache_stats
 
     @property
     def num_running(self) -> int:
@@ -175,6 +181,9 @@ class Engine:
             log.warning("a batch of %d failed (%s); isolating the culprit", len(batch.num_tokens), exc)
         computed, sampled = ScheduledBatch(preempted=batch.preempted), {}
         for seq, n in batch.num_tokens.items():
+            if seq.status is not SequenceStatus.RUNNING:  # it started from blocks a failed sequence never filled
+                computed.preempted.append(seq)
+                continue
             part, part_sampled = self._run(ScheduledBatch({seq: n}), outputs)
             computed.num_tokens.update(part.num_tokens)
             sampled.update(part_sampled)
@@ -208,6 +217,7 @@ class Engine:
             text=req.detokenizer.text,
             token_ids=req.seq.output_token_ids,
             num_prompt_tokens=req.seq.num_prompt_tokens,
+            num_cached_tokens=req.seq.num_cached_tokens,
             finish_reason=finish_reason,
             error=error,
         )

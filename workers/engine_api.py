@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from batcher.blocks import PrefixCacheStats
 from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest, GenerationResult, Timings, Usage
 
@@ -27,6 +28,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     finish_reason: str | None = None
     error: str | None = None
 
@@ -41,7 +43,8 @@ class RequestOutput:
             text=self.text,
             token_ids=self.token_ids,
             finish_reason=self.finish_reason,
-            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.token_ids)),
+            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.token_ids),
+                        cached_tokens=self.num_cached_tokens),
             timings=timings or Timings(),
             worker=worker,
             model=model,
@@ -96,3 +99,7 @@ class EngineProtocol(Protocol):
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use."""
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache, and found there, since the engine started."""

@@ -10,8 +10,8 @@ The worker calls, from its engine loop:
   - `observe_step(outputs)` after each `Engine.step()`,
   - `observe_finished(request_id, reason, ...)` once for each request that ends, however it ends,
   - `set_queue_depth(queue, n)` whenever it has read a queue's length.
-The gauges of the engine's state are read when Prometheus scrapes, so they cost the loop nothing
-and stay right while the engine is idle.
+The gauges of the engine's state, and the prefix cache's counters (kept by the scheduler), are read
+when Prometheus scrapes, so they cost the loop nothing and stay right while the engine is idle.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from batcher.config import DEFAULT_METRICS_ADDR
 from batcher.schema import FinishReason
@@ -48,6 +49,24 @@ REQUEST_LATENCY_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 MODEL_LABEL = "model_name"
+
+
+class _PrefixCacheCollector:
+    """vLLM's `prefix_cache_queries` and `prefix_cache_hits`, in tokens: prompt tokens looked up in the
+    prefix cache when a request is first admitted, and those found there. Their rates' ratio is the hit rate."""
+
+    def __init__(self, engine: EngineProtocol) -> None:
+        self._engine = engine
+
+    def collect(self):
+        stats = self._engine.prefix_cache_stats
+        model = self._engine.loaded.name
+        for name, doc, tokens in (
+                ("batcher_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queries),
+                ("batcher_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", stats.hits)):
+            family = CounterMetricFamily(name, doc, labels=[MODEL_LABEL])
+            family.add_metric([model], tokens)
+            yield family
 
 
 @dataclass
@@ -83,6 +102,7 @@ class EngineMetrics:
             lambda: engine.num_waiting)
         gauge("batcher_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).").set_function(
             lambda: engine.kv_cache_usage)
+        self.registry.register(_PrefixCacheCollector(engine))
         self._queue_depth = Gauge("batcher_queue_depth", "Jobs waiting in a Redis queue, as this worker last read it.",
                                   ["queue"], registry=self.registry)
 

@@ -517,7 +517,8 @@ class BatchWorker(BaseBatchWorker):
             queues=",".join(sorted({q.name.split(keys.PRIORITY_SEPARATOR)[0] for q in self.queues})),
             model=self.model_name, state=state, in_flight=len(self._jobs), free_slots=self.engine.free_slots,
             kv_usage=round(self.engine.kv_cache_usage, 4),
-            tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time())
+            tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
+            prefix_cache_hit_rate=round(self.engine.prefix_cache_stats.hit_rate, 4))
 
     def _unpublish_stats(self) -> None:
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Sequence
 from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, length_bias
@@ -55,9 +54,6 @@ class ModelRunner:
              torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device))
             for _ in range(layers)
         ]
-
-    def make_allocator(self) -> BlockAllocator:
-        return BlockAllocator(self.num_blocks, self.block_size)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table

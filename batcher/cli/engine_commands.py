@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from batcher.cli import main
-from batcher.cli.options import engine_options, redis_url_option
+from batcher.cli.options import engine_options, prefix_caching_option, redis_url_option
 from batcher.client import REDIS_URL_ENV
 from batcher.config import EngineConfig
 
@@ -110,7 +110,8 @@ DEMO_MAX_NUM_SEQS = 4  # fewer slots than jobs, so the jobs contend for slots as
 @click.option("--max-num-seqs", type=click.IntRange(1), default=DEMO_MAX_NUM_SEQS, show_default=True)
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="Then run the same jobs under static batching and print the ratio.")
-def demo(redis_url, model, max_num_seqs, compare):
+@prefix_caching_option
+def demo(redis_url, model, max_num_seqs, compare, prefix_caching):
     """Summarise the bundled documents through Redis and a worker, live, on the bundled model."""
     from batcher.client import connect
     from workers.demo import run_demo
@@ -118,5 +119,5 @@ def demo(redis_url, model, max_num_seqs, compare):
     from workers.engine import build_engine
 
     connection = connect(redis_url) if redis_url else embedded_redis()
-    engine = build_engine(EngineConfig(model=model, max_num_seqs=max_num_seqs))
+    engine = build_engine(EngineConfig(model=model, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching))
     run_demo(connection, engine, compare)

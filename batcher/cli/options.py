@@ -15,6 +15,9 @@ redis_url_option = click.option(
     help="redis://[:password@]host:port/db, or rediss:// for TLS.")
 queue_option = click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True, help="The queue to submit to.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+prefix_caching_option = click.option(
+    "--prefix-caching/--no-prefix-caching", default=c.DEFAULT_PREFIX_CACHING, envvar="BATCHER_PREFIX_CACHING",
+    show_default=True, help="Reuse the KV blocks of prompt prefixes computed before (shared instructions, documents).")
 
 
 def engine_options(func):
@@ -41,9 +44,10 @@ def engine_options(func):
                      show_default=True),
         click.option("--device", default=c.DEFAULT_DEVICE, envvar="BATCHER_DEVICE", show_default=True,
                      help="cpu, cuda, cuda:1 ... or auto."),
+        prefix_caching_option,
     ]
     names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
-             "kv_cache_bytes", "max_model_len", "dtype", "device"]
+             "kv_cache_bytes", "max_model_len", "dtype", "device", "prefix_caching"]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
