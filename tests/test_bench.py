@@ -1,6 +1,7 @@
 """The benchmark harness on a tiny model: every system runs, agrees on greedy tokens, and reports."""
 
 import json
+import random
 
 import pytest
 from click.testing import CliRunner
@@ -11,10 +12,12 @@ from tests.jobs_support import claim_database, release_database
 from workers.bench.report import ModelCost, first_difference, percentiles
 from workers.bench.run import run_bench
 from workers.bench.system import ALL_SYSTEMS, System
-from workers.bench.workload import WorkloadRequest
+from workers.bench.workload import WorkloadRequest, load_workload, shared_prefix_tokens
 
 WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
             for i, (prompt_len, max_tokens) in enumerate([(9, 3), (21, 12), (5, 6), (14, 2), (30, 5)])]
+# two more that share a 12-token prefix (three blocks of 4) with each other
+WORKLOAD += [WorkloadRequest(5, "r5", 15, 4, 0.0, "doc", 12), WorkloadRequest(6, "r6", 13, 3, 0.0, "doc", 12)]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,21 @@ def test_every_system_generates_the_same_greedy_tokens(report):
         assert s.generated_tokens == sum(w.max_tokens for w in WORKLOAD), s.system
         assert s.mismatched_requests == [], s.system
     assert report.all_agree
+
+
+def test_prefix_hits_are_reported_against_the_shared_tokens(report):
+    assert report.shared_prefix_tokens == 12
+    for s in report.systems:
+        if s.system.startswith("batcher:") and "no-prefix-caching" not in s.system:
+            assert (s.cached_tokens, s.prefix_hit_rate) == (12, 1.0), s.system
+        elif s.system.startswith("batcher:"):
+            assert (s.cached_tokens, s.prefix_hit_rate) == (0, 0.0), s.system
+        else:
+            assert (s.cached_tokens, s.prefix_hit_rate) == (None, None), s.system
+        assert s.total_tok_s == pytest.approx(s.prompt_tok_s + s.generated_tok_s)
+    assert "prefix hits" in report.table() and "total tok/s" in report.table()
+    cached, uncached = report.system("batcher:continuous"), report.system("batcher:continuous:no-prefix-caching")
+    assert cached.model_gflop_s * cached.wall_s < uncached.model_gflop_s * uncached.wall_s  # it skipped the prefix
 
 
 def test_metrics_are_derived_from_per_token_times(report):
@@ -67,6 +85,9 @@ def test_model_cost_counts_weights_and_attention(tiny_model_dir):
     assert cost.matmul_params == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
     assert cost.head_params == 384 * 64
     assert cost.request_flops(1, 1) == 2 * cost.matmul_params + 2 * cost.head_params + cost.attention_flops_per_key
+    # 3 fed tokens, the first 2 from the prefix cache: only the third goes through the weights, over 3 keys
+    assert cost.request_flops(3, 1, cached=2) == (2 * cost.matmul_params + 2 * cost.head_params
+                                                  + 3 * cost.attention_flops_per_key)
 
 
 def test_systems_are_named_as_on_the_command_line():
@@ -75,9 +96,54 @@ def test_systems_are_named_as_on_the_command_line():
     assert System.parse("batcher:static@redis") == System("batcher", "static", through_redis=True)
     assert System.parse("batcher:continuous").via_redis().name == "batcher:continuous@redis"
     assert System.parse("hf-cb").via_redis() == System("hf-cb")
-    for bad in ("vllm", "batcher:eager", "hf-cb@redis", "batcher:static@redis@redis"):
+    assert System.parse("batcher:static:no-prefix-caching@redis") == System("batcher", "static", True, False)
+    assert System.parse("batcher:continuous").without_prefix_caching().name == "batcher:continuous:no-prefix-caching"
+    assert System.parse("hf-cb:no-prefix-caching") == System("hf-cb").without_prefix_caching()
+    assert System("hf-naive").without_prefix_caching().name == "hf-naive"
+    for bad in ("vllm", "batcher:eager", "hf-cb@redis", "batcher:static@redis@redis", "hf-naive:no-prefix-caching",
+                "batcher:continuous@redis:no-prefix-caching"):
         with pytest.raises(ValueError, match=f"unknown {bad}"):
             System.parse(bad)
+    shared = EngineConfig(policy="continuous", block_size=8)
+    run_as = System.parse("batcher:static:no-prefix-caching").engine_config(shared)
+    assert (run_as.policy, run_as.prefix_caching, run_as.block_size) == ("static", False, 8)
+    assert System("hf-cb").engine_config(shared) == shared
+
+
+def test_shared_prefixes_are_drawn_as_the_shared_readme_says(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in [
+        {"id": "a", "prompt_len": 6, "max_tokens": 2, "arrival_s": 0.0, "prefix_id": "d1", "prefix_len": 4},
+        {"id": "b", "prompt_len": 5, "max_tokens": 2, "arrival_s": 0.0, "prefix_id": "d1", "prefix_len": 4},
+        {"id": "c", "prompt_len": 3, "max_tokens": 2, "arrival_s": 0.0}]))
+    a, b, c = load_workload(str(path))
+    doc = random.Random("prefix:d1")
+    prefix = [doc.randrange(100, 284) for _ in range(4)]
+    own = random.Random(1)
+    assert b.prompt_token_ids(384) == prefix + [own.randrange(100, 284)]
+    assert a.prompt_token_ids(384)[:4] == prefix and a.prompt_token_ids(384)[4:] != b.prompt_token_ids(384)[4:]
+    plain = random.Random(2)
+    assert c.prompt_token_ids(384) == [plain.randrange(100, 284) for _ in range(3)]
+    assert shared_prefix_tokens([a, b, c]) == 4
+    for name in ("doc-qa", "system-prompt"):  # the bundled prefix workloads, as docs/benchmarks.md describes them
+        items = load_workload(name)
+        firsts = len({w.prefix_id for w in items})
+        assert shared_prefix_tokens(items) == sum(w.prefix_len for w in items) - firsts * items[0].prefix_len
+    assert shared_prefix_tokens(load_workload("doc-qa")) == 56 * 1024
+
+
+@pytest.mark.parametrize("line,reason", [
+    ({"id": "a", "prompt_len": 4, "max_tokens": 2, "prefix_id": "d"}, "prefix_id and prefix_len go together"),
+    ({"id": "a", "prompt_len": 4, "max_tokens": 2, "prefix_id": "d", "prefix_len": 5}, "prefix_len must be"),
+    ({"id": "a", "max_tokens": 2}, "missing 'prompt_len'"),
+])
+def test_a_malformed_workload_line_is_named(tmp_path, line, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"id": "ok", "prompt_len": 3, "max_tokens": 1}) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(ValueError, match=f"bad.jsonl, request 2: {reason}"):
+        load_workload(str(path))
+    result = CliRunner().invoke(main, ["bench", "--workload", str(path)])
+    assert result.exit_code != 0 and "request 2" in result.output
 
 
 def test_percentiles():
@@ -93,10 +159,11 @@ def test_cli_runs_systems_and_writes_json_and_plot(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(main, [
         "bench", "--model", str(tiny_model_dir("llama")), "--workload", str(workload), "--max-num-seqs", "2",
         "--kv-cache-bytes", str(1 << 20), "--systems", "batcher:continuous,hf-naive", "--baseline", "hf-naive",
-        "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+        "--no-prefix-caching", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
     assert result.exit_code == 0, result.output
-    assert "batcher:continuous" in result.output and "x hf-naive" in result.output
-    assert json.loads((tmp_path / "r.json").read_text())["systems"][1]["system"] == "hf-naive"
+    assert "batcher:continuous:no-prefix-caching" in result.output and "x hf-naive" in result.output
+    systems = json.loads((tmp_path / "r.json").read_text())["systems"]
+    assert [s["system"] for s in systems] == ["batcher:continuous:no-prefix-caching", "hf-naive"]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

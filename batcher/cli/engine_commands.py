@@ -52,10 +52,12 @@ def _systems(ctx, param, value):
 @main.command()
 @engine_options
 @click.option("--workload", required=True, help="A workload file, or a bundled one: skew, skew-small, summarise, "
-              "mixed, interference.")
+              "mixed, interference, doc-qa, system-prompt.")
 @click.option("--systems", callback=_systems, help="Comma-separated systems to run, in order: batcher:continuous, "
-              "batcher:static, hf-cb, hf-static, hf-naive; a batcher system with the suffix @redis is served "
-              "through Redis and a worker. Default: batcher with --policy.")
+              "batcher:static, hf-cb, hf-static, hf-naive; batcher and hf-cb systems run with their prefix cache "
+              "unless named with :no-prefix-caching, and a batcher system with the suffix @redis is served "
+              "through Redis and a worker (batcher:continuous:no-prefix-caching@redis). Default: batcher with "
+              "--policy.")
 @click.option("--through", type=click.Choice(["engine", "redis"]), default="engine", show_default=True,
               help="redis: run the batcher systems as jobs through Redis and a worker (arrival times honoured).")
 @redis_url_option
@@ -69,8 +71,9 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
     """Run a workload through several systems on equal terms; print a table with ratios to a baseline.
 
     Slots (--max-num-seqs), page size (--block-size), KV blocks and the token budget
-    (--max-num-batched-tokens) apply to every system that has them; hf-static batches --max-num-seqs
-    requests per group. Greedy tokens are compared with the baseline's, and every difference is shown.
+    (--max-num-batched-tokens) apply to every system that has them, and so does --no-prefix-caching;
+    hf-static batches --max-num-seqs requests per group. Greedy tokens are compared with the baseline's,
+    and every difference is shown.
     """
     import json
 
@@ -78,16 +81,22 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
     from workers.bench.system import System
     from workers.bench.workload import load_workload, workload_path
 
-    systems = systems or [System("batcher", engine_config.policy)]
-    if through == "redis":
-        systems = [s.via_redis() for s in systems]
+    def as_run(system: System) -> System:
+        """The system as this invocation runs it, after --through and --no-prefix-caching."""
+        system = system.via_redis() if through == "redis" else system
+        return system if engine_config.prefix_caching else system.without_prefix_caching()
+
+    systems = list(dict.fromkeys(as_run(s) for s in systems or [System("batcher", engine_config.policy)]))
     try:
-        baseline = System.parse(baseline) if baseline else systems[0]
+        baseline = as_run(System.parse(baseline)) if baseline else systems[0]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--baseline") from None
     if baseline not in systems:
         raise click.BadParameter(f"{baseline} is not among --systems", param_hint="--baseline")
-    items = load_workload(workload)
+    try:
+        items = load_workload(workload)
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--workload") from None
     report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads, redis_url)
     click.echo(report.table())
     if json_path:

@@ -4,7 +4,8 @@
 - `hf-static`: `generate` on left-padded groups of `slots` requests; each group runs to its longest
   request (EOS is ignored, as in the workload), and its shorter requests keep their first tokens.
 - `hf-cb`: transformers' own continuous batching manager, with the engine's page size, block
-  count, slots and token budget, and per-request `max_new_tokens`.
+  count, slots and token budget, and per-request `max_new_tokens`; its block sharing (transformers'
+  prefix caching, on by default there) follows the system's prefix caching.
 
 Token times: `generate` reports each step through a streamer; the manager records a timestamp
 per token (`record_timestamps`). Both are taken when the token reaches the host, as in batcher.
@@ -114,11 +115,12 @@ def workload_blocks(workload: list[WorkloadRequest], block_size: int) -> int:
 
 
 def cb_config(config: EngineConfig, num_blocks: int) -> ContinuousBatchingConfig:
-    """The manager sized like the engine: page = block, the same slots and token budget."""
+    """The manager sized like the engine: page = block, the same slots, token budget and prefix caching."""
     return ContinuousBatchingConfig(page_size=config.block_size, num_blocks=num_blocks,
                                     max_batch_tokens=config.max_num_batched_tokens,
                                     max_requests_per_batch=config.max_num_seqs,
-                                    allow_block_sharing=False, use_cuda_graph=False, use_async_batching=False)
+                                    allow_block_sharing=config.prefix_caching, use_cuda_graph=False,
+                                    use_async_batching=False)
 
 
 def _steps_from_stamps(run: SystemRun, lifespans: dict[str, tuple[float, float]]) -> None:
@@ -137,8 +139,8 @@ def _check_running(manager) -> None:
 
 @torch.inference_mode()
 def run_hf_cb(model, workload: list[WorkloadRequest], vocab_size: int, config: EngineConfig,
-              num_blocks: int) -> SystemRun:
-    run = SystemRun("hf-cb", slots=config.max_num_seqs, token_times={w.id: [] for w in workload})
+              num_blocks: int, name: str) -> SystemRun:
+    run = SystemRun(name, slots=config.max_num_seqs, token_times={w.id: [] for w in workload})
     generation = GenerationConfig(do_sample=False, eos_token_id=NO_EOS, pad_token_id=PAD_TOKEN_ID,
                                   max_new_tokens=max(w.max_tokens for w in workload))
     manager = model.init_continuous_batching(generation_config=generation,
@@ -173,6 +175,9 @@ def run_hf_cb(model, workload: list[WorkloadRequest], vocab_size: int, config: E
         manager.stop(block=True)
     run.peak_rss_bytes = rss.peak
     _steps_from_stamps(run, lifespans)
-    run.notes.append("hf-cb: steps and slot occupancy are rebuilt from per-token timestamps and request lifespans "
-                     "(an approximation); token times are exact")
+    run.notes.append(f"{name}: steps and slot occupancy are rebuilt from per-token timestamps and request "
+                     "lifespans (an approximation); token times are exact")
+    if config.prefix_caching:
+        run.notes.append(f"{name}: transformers' block sharing is on but does not report its prefix hits, so its "
+                         "MFU counts every prompt token as computed")
     return run

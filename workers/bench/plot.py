@@ -7,6 +7,7 @@ each step, over the slots). Right: cumulative generated tokens over time for eve
 from __future__ import annotations
 
 from workers.bench.report import BenchReport
+from workers.bench.system import NO_PREFIX_CACHING_SUFFIX
 
 FIGURE_SIZE = (12, 4.5)
 DPI = 110
@@ -21,7 +22,7 @@ def plot_report(report: BenchReport, path: str) -> None:
 
     fig, (occupancy, tokens) = plt.subplots(1, 2, figsize=FIGURE_SIZE)
     for s in report.systems:
-        if s.system in OCCUPANCY_SYSTEMS and s.occupancy:
+        if s.system.removesuffix(NO_PREFIX_CACHING_SUFFIX) in OCCUPANCY_SYSTEMS and s.occupancy:
             times, seqs = zip(*s.occupancy)
             occupancy.step(times, [n / s.slots for n in seqs], where="pre", label=s.system)
         if s.cumulative_tokens:

@@ -1,10 +1,12 @@
 """Metrics of `batcher bench`, derived the same way from every system's `SystemRun`.
 
-- throughput: generated and prompt tokens over the wall time of the run;
+- throughput: generated, prompt, and prompt plus generated ("total") tokens over the wall time of the run;
+- prefix hits: prompt tokens a system found in its prefix cache, over the workload's shared prefix tokens
+  (what a perfect cache would skip: every shared prefix after its first request), where the system says;
 - latency: time to first token (from arrival) and inter-token gaps, from per-token timestamps;
 - slot occupancy: sequences doing useful work per step, over the system's slots;
-- model FLOP utilisation: the model's useful FLOPs (no padding, no recompute) per second, over
-  a matmul probe measured in the same process at the same thread count;
+- model FLOP utilisation: the model's useful FLOPs (no padding, no recompute, no prefix found in the
+  cache) per second, over a matmul probe measured in the same process at the same thread count;
 - correctness: every system's greedy tokens against the baseline's, with every difference listed.
 """
 
@@ -66,11 +68,13 @@ class ModelCost:
         return cls(matmul_params=sum(p.numel() for p in matrices), head_params=head.numel(),
                    attention_flops_per_key=4 * config.num_hidden_layers * heads * head_dim)
 
-    def request_flops(self, prompt_len: int, generated: int) -> int:
-        """A request's useful FLOPs: every token but the last one is fed through the model once."""
+    def request_flops(self, prompt_len: int, generated: int, cached: int = 0) -> int:
+        """A request's useful FLOPs: every token but the last one is fed through the model once, except the
+        first `cached`, whose keys and values came from the prefix cache."""
         fed = prompt_len + generated - 1
-        keys = fed * (fed + 1) // 2  # token i attends to i + 1 keys
-        return 2 * self.matmul_params * fed + 2 * self.head_params * generated + self.attention_flops_per_key * keys
+        keys = fed * (fed + 1) // 2 - cached * (cached + 1) // 2  # token i attends to i + 1 keys
+        return (2 * self.matmul_params * (fed - cached) + 2 * self.head_params * generated
+                + self.attention_flops_per_key * keys)
 
 
 @dataclass
@@ -80,6 +84,9 @@ class SystemReport:
     generated_tokens: int
     generated_tok_s: float
     prompt_tok_s: float
+    total_tok_s: float  # prompt plus generated
+    cached_tokens: int | None  # prompt tokens found in the prefix cache; None where the system does not say
+    prefix_hit_rate: float | None  # cached_tokens over the workload's shared prefix tokens
     ttft_s: dict
     itl_s: dict
     slots: int
@@ -106,6 +113,7 @@ class BenchReport:
     baseline: str
     requests: int
     prompt_tokens: int
+    shared_prefix_tokens: int  # prompt tokens a perfect prefix cache would not compute
     systems: list[SystemReport] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -121,20 +129,26 @@ class BenchReport:
     def table(self) -> str:
         base = self.system(self.baseline).generated_tok_s
         ms = lambda d, k: "-" if d[k] is None else f"{d[k] * 1000:.0f}"  # noqa: E731
-        header = (f"{'system':<20}{'gen tok/s':>10}{'x ' + self.baseline:>24}{'prompt tok/s':>13}"
-                  f"{'TTFT ms p50/p99/max':>22}{'ITL ms p50/p99/max':>21}{'occupancy':>11}{'RSS MB':>8}"
-                  f"{'MFU':>6}  greedy tokens")
-        lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens; model {self.model}; "
-                 f"{self.threads} thread(s) on {self.device}; matmul probe {self.probe_gflop_s:.0f} GFLOP/s; "
-                 + ", ".join(f"{k} {v}" for k, v in self.versions.items()), header]
+        width = max(20, *(len(s.system) + 2 for s in self.systems))
+        header = (f"{'system':<{width}}{'gen tok/s':>10}{'x ' + self.baseline:>24}{'prompt tok/s':>13}"
+                  f"{'total tok/s':>12}{'TTFT ms p50/p99/max':>22}{'ITL ms p50/p99/max':>21}{'occupancy':>11}"
+                  f"{'RSS MB':>8}{'MFU':>6}{'prefix hits':>12}  greedy tokens")
+        shared = (f"{self.shared_prefix_tokens} of them in shared prefixes after their first request"
+                  if self.shared_prefix_tokens else "no shared prefixes")
+        lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens ({shared}); "
+                 f"model {self.model}; {self.threads} thread(s) on {self.device}; matmul probe "
+                 f"{self.probe_gflop_s:.0f} GFLOP/s; " + ", ".join(f"{k} {v}" for k, v in self.versions.items()),
+                 header]
         for s in self.systems:
             agree = "baseline" if s.system == self.baseline else (
                 "agree" if not s.mismatched_requests else f"DIFFER in {len(s.mismatched_requests)} requests")
+            hits = "-" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.0%}"
             lines.append(
-                f"{s.system:<20}{s.generated_tok_s:>10.1f}{s.generated_tok_s / base:>23.2f}x{s.prompt_tok_s:>13.1f}"
+                f"{s.system:<{width}}{s.generated_tok_s:>10.1f}{s.generated_tok_s / base:>23.2f}x"
+                f"{s.prompt_tok_s:>13.1f}{s.total_tok_s:>12.1f}"
                 f"{ms(s.ttft_s, 'p50') + '/' + ms(s.ttft_s, 'p99') + '/' + ms(s.ttft_s, 'max'):>22}"
                 f"{ms(s.itl_s, 'p50') + '/' + ms(s.itl_s, 'p99') + '/' + ms(s.itl_s, 'max'):>21}"
-                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}  {agree}")
+                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}{hits:>12}  {agree}")
         for s in self.systems:
             for m in s.mismatched_requests:
                 lines.append(f"  ! {s.system} request {m['id']}: greedy tokens differ from {self.baseline} "
@@ -151,13 +165,17 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def system_report(run: SystemRun, workload: list[WorkloadRequest], cost: ModelCost, probe_flop_s: float,
-                  baseline: SystemRun) -> SystemReport:
+                  baseline: SystemRun, shared_prefix_tokens: int) -> SystemReport:
     arrival = {w.id: w.arrival_s for w in workload}
     generated = sum(len(t) for t in run.tokens.values())
+    prompt = sum(w.prompt_len for w in workload)
+    cached = run.cached_tokens or {}
+    total_cached = None if run.cached_tokens is None else sum(cached.values())
     ttft = [times[0] - arrival[rid] for rid, times in run.token_times.items() if times]
     itl = [b - a for times in run.token_times.values() for a, b in zip(times, times[1:])]
     stamps = sorted(t for times in run.token_times.values() for t in times)
-    flops = sum(cost.request_flops(w.prompt_len, len(run.tokens.get(w.id, []))) for w in workload)
+    flops = sum(cost.request_flops(w.prompt_len, len(run.tokens.get(w.id, [])), cached.get(w.id, 0))
+                for w in workload)
     mismatched = []
     for w in workload:
         at = first_difference(run.tokens.get(w.id, []), baseline.tokens.get(w.id, []))
@@ -166,7 +184,10 @@ def system_report(run: SystemRun, workload: list[WorkloadRequest], cost: ModelCo
     mean_batch = sum(n for _, n in run.steps) / len(run.steps) if run.steps else 0.0
     return SystemReport(
         system=run.system, wall_s=run.wall_s, generated_tokens=generated,
-        generated_tok_s=generated / run.wall_s, prompt_tok_s=sum(w.prompt_len for w in workload) / run.wall_s,
+        generated_tok_s=generated / run.wall_s, prompt_tok_s=prompt / run.wall_s,
+        total_tok_s=(prompt + generated) / run.wall_s, cached_tokens=total_cached,
+        prefix_hit_rate=total_cached / shared_prefix_tokens if total_cached is not None and shared_prefix_tokens
+        else None,
         ttft_s=percentiles(ttft), itl_s=percentiles(itl), slots=run.slots, mean_batch=mean_batch,
         mean_occupancy=mean_batch / run.slots, peak_rss_mb=run.peak_rss_bytes / MB,
         model_gflop_s=flops / run.wall_s / 1e9, mfu=flops / run.wall_s / probe_flop_s,

@@ -1,17 +1,16 @@
 """`batcher bench`: one workload through several systems, in one process, on equal terms.
 
 Systems (`workers.bench.system`): `batcher:continuous` and `batcher:static` (this engine, run here step by
-step, or through Redis and a worker with `@redis`), and the transformers baselines `hf-cb`, `hf-static`,
-`hf-naive` (`workers.bench.peers`). They run one after the other with the same weights, slots, page size,
-token budget and threads; each is warmed up first and freed after. Metrics come from `workers.bench.report`.
+step, or through Redis and a worker with `@redis`, with or without prefix caching), and the transformers
+baselines `hf-cb`, `hf-static`, `hf-naive` (`workers.bench.peers`). They run one after the other with the
+same weights, slots, page size, token budget and threads; each is warmed up first and freed after.
+Metrics come from `workers.bench.report`.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from dataclasses import replace
-
 import torch
 
 from batcher.config import EngineConfig
@@ -19,7 +18,7 @@ from batcher.schema import GenerationRequest, SamplingParams
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.report import BenchReport, ModelCost, environment, matmul_probe, system_report
 from workers.bench.system import System
-from workers.bench.workload import WorkloadRequest
+from workers.bench.workload import WorkloadRequest, shared_prefix_tokens
 from workers.engine import Engine, build_engine
 from workers.runner import DTYPES, resolve_device
 
@@ -29,10 +28,10 @@ def workload_request(item: WorkloadRequest, vocab_size: int) -> GenerationReques
                              sampling=SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
 
 
-def run_batcher(engine: Engine, workload: list[WorkloadRequest]) -> SystemRun:
+def run_batcher(engine: Engine, workload: list[WorkloadRequest], name: str) -> SystemRun:
     """Drive the engine step by step; every step's outputs are stamped when the step returns."""
-    run = SystemRun(f"batcher:{engine.config.policy}", slots=engine.config.max_num_seqs,
-                    token_times={w.id: [] for w in workload})
+    run = SystemRun(name, slots=engine.config.max_num_seqs, token_times={w.id: [] for w in workload},
+                    cached_tokens={})
     vocab = engine.loaded.vocab_size
     engine.warm_up()
     pending = by_arrival(workload)
@@ -52,6 +51,7 @@ def run_batcher(engine: Engine, workload: list[WorkloadRequest]) -> SystemRun:
                 run.token_times[out.request_id].extend([t] * len(out.new_token_ids))
                 if out.finished:
                     run.tokens[out.request_id] = out.token_ids
+                    run.cached_tokens[out.request_id] = out.num_cached_tokens
             run.steps.append((t, engine.last_step.num_seqs))
             run.preemptions += engine.last_step.num_preempted
         run.wall_s = time.perf_counter() - start
@@ -62,16 +62,18 @@ def run_batcher(engine: Engine, workload: list[WorkloadRequest]) -> SystemRun:
 def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequest],
                redis_url: str | None = None) -> tuple[SystemRun, ModelCost]:
     """Load the model for one system, run the workload, and return the run and the model's cost."""
+    config = system.engine_config(config)
     if system.kind == "batcher":
-        engine = build_engine(replace(config, policy=system.policy))
+        engine = build_engine(config)
         if not system.through_redis:
-            return run_batcher(engine, workload), ModelCost.of(engine.runner.model)
+            return run_batcher(engine, workload, system.name), ModelCost.of(engine.runner.model)
         from batcher.client import connect
         from workers.bench.through_redis import run_batcher_redis
 
         engine.warm_up()
         vocab = engine.loaded.vocab_size
-        run = run_batcher_redis(engine, workload, connect(redis_url), lambda item: workload_request(item, vocab))
+        run = run_batcher_redis(engine, workload, system.name, connect(redis_url),
+                                lambda item: workload_request(item, vocab))
         return run, ModelCost.of(engine.runner.model)
 
     from workers.bench import peers
@@ -81,7 +83,7 @@ def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequ
     vocab = model.get_output_embeddings().weight.shape[0]
     if system.kind == "hf-cb":
         num_blocks = min(num_kv_blocks(model, config), peers.workload_blocks(workload, config.block_size))
-        run = peers.run_hf_cb(model, workload, vocab, config, num_blocks)
+        run = peers.run_hf_cb(model, workload, vocab, config, num_blocks, system.name)
     elif system.kind == "hf-static":
         run = peers.run_hf_static(model, workload, vocab, config.max_num_seqs)
     else:
@@ -106,6 +108,8 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System],
     device_name, versions = environment(device)
     report = BenchReport(workload=name, model=config.model, threads=threads, device=device_name, versions=versions,
                          probe_gflop_s=probe / 1e9, baseline=baseline.name, requests=len(workload),
-                         prompt_tokens=sum(w.prompt_len for w in workload))
-    report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline]) for s in systems]
+                         prompt_tokens=sum(w.prompt_len for w in workload),
+                         shared_prefix_tokens=shared_prefix_tokens(workload))
+    report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline], report.shared_prefix_tokens)
+                      for s in systems]
     return report

@@ -3,20 +3,26 @@
 `batcher:continuous` and `batcher:static` are this engine, driven step by step; with the suffix `@redis`
 they are served through Redis and a worker instead. `hf-cb`, `hf-static` and `hf-naive` are the
 transformers baselines (`workers.bench.peers`).
+
+The systems with a prefix cache (batcher, and hf-cb with transformers' block sharing) run with it on, as
+each ships; `:no-prefix-caching` after the name turns it off (`batcher:continuous:no-prefix-caching@redis`),
+so one invocation can compare both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from batcher.config import POLICIES, Policy
+from batcher.config import POLICIES, EngineConfig, Policy
 
 REDIS_SUFFIX = "@redis"
+NO_PREFIX_CACHING_SUFFIX = ":no-prefix-caching"
 BATCHER_PREFIX = "batcher:"
 PEERS = ("hf-cb", "hf-static", "hf-naive")
 
 Kind = Literal["batcher", "hf-cb", "hf-static", "hf-naive"]
+PREFIX_CACHING_KINDS = ("batcher", "hf-cb")
 
 
 @dataclass(frozen=True)
@@ -24,31 +30,48 @@ class System:
     kind: Kind
     policy: Policy | None = None  # batcher only
     through_redis: bool = False  # batcher only
+    prefix_caching: bool = True  # batcher and hf-cb only: reuse the KV blocks of prompt prefixes computed before
 
     @classmethod
     def parse(cls, name: str) -> System:
-        """`batcher:continuous`, `batcher:static@redis`, `hf-cb`...; ValueError names the choices."""
-        if name in PEERS:
-            return cls(name)
-        through_redis = name.endswith(REDIS_SUFFIX)
-        policy = name.removesuffix(REDIS_SUFFIX).removeprefix(BATCHER_PREFIX)
-        if name.startswith(BATCHER_PREFIX) and policy in POLICIES:
-            return cls("batcher", policy, through_redis)
-        raise ValueError(f"unknown {name}; the systems are {', '.join(ALL_SYSTEMS)}")
+        """`batcher:continuous`, `batcher:static:no-prefix-caching@redis`, `hf-cb`...; ValueError names the choices."""
+        base = name.removesuffix(REDIS_SUFFIX)
+        through_redis = base != name
+        caching = not base.endswith(NO_PREFIX_CACHING_SUFFIX)
+        base = base.removesuffix(NO_PREFIX_CACHING_SUFFIX)
+        if base in PEERS and not through_redis and (caching or base in PREFIX_CACHING_KINDS):
+            return cls(base, prefix_caching=caching)
+        policy = base.removeprefix(BATCHER_PREFIX)
+        if base.startswith(BATCHER_PREFIX) and policy in POLICIES:
+            return cls("batcher", policy, through_redis, caching)
+        raise ValueError(f"unknown {name}; the systems are {', '.join(BASE_SYSTEMS)}; a batcher system may end "
+                         f"with {REDIS_SUFFIX}, and batcher and hf-cb systems take {NO_PREFIX_CACHING_SUFFIX} "
+                         f"(before {REDIS_SUFFIX})")
 
     @property
     def name(self) -> str:
+        caching = "" if self.prefix_caching or self.kind not in PREFIX_CACHING_KINDS else NO_PREFIX_CACHING_SUFFIX
         if self.kind != "batcher":
-            return self.kind
-        return f"{BATCHER_PREFIX}{self.policy}{REDIS_SUFFIX if self.through_redis else ''}"
+            return self.kind + caching
+        return f"{BATCHER_PREFIX}{self.policy}{caching}{REDIS_SUFFIX if self.through_redis else ''}"
 
     def via_redis(self) -> System:
         """The same system served through Redis and a worker (peers have no such path: unchanged)."""
-        return System(self.kind, self.policy, True) if self.kind == "batcher" else self
+        return replace(self, through_redis=True) if self.kind == "batcher" else self
+
+    def without_prefix_caching(self) -> System:
+        """The same system with its prefix cache off (systems without one: unchanged)."""
+        return replace(self, prefix_caching=False) if self.kind in PREFIX_CACHING_KINDS else self
+
+    def engine_config(self, shared: EngineConfig) -> EngineConfig:
+        """The settings this system runs with: the shared ones, with its own policy and prefix caching."""
+        return replace(shared, policy=self.policy or shared.policy, prefix_caching=self.prefix_caching)
 
     def __str__(self) -> str:
         return self.name
 
 
-ALL_SYSTEMS = tuple([f"{BATCHER_PREFIX}{p}" for p in POLICIES] + [f"{BATCHER_PREFIX}{p}{REDIS_SUFFIX}" for p in POLICIES]
-                    + list(PEERS))
+BASE_SYSTEMS = tuple([f"{BATCHER_PREFIX}{p}" for p in POLICIES] + list(PEERS))
+ALL_SYSTEMS = tuple(
+    [f"{BATCHER_PREFIX}{p}{c}{r}" for c in ("", NO_PREFIX_CACHING_SUFFIX) for r in ("", REDIS_SUFFIX) for p in POLICIES]
+    + list(PEERS) + [f"hf-cb{NO_PREFIX_CACHING_SUFFIX}"])

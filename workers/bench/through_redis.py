@@ -48,12 +48,12 @@ def _read_streams(connection: Redis, job_to_id: dict[str, str], run: SystemRun, 
                     ended.add(key)
 
 
-def run_batcher_redis(engine: Engine, workload: list[WorkloadRequest], connection: Redis,
+def run_batcher_redis(engine: Engine, workload: list[WorkloadRequest], name: str, connection: Redis,
                       request_for) -> SystemRun:
     """Submit the workload as jobs at their arrival times to a worker thread; record what readers see."""
     queue = f"bench-{uuid.uuid4().hex[:8]}"
-    run = SystemRun(f"batcher:{engine.config.policy}@redis", slots=engine.config.max_num_seqs,
-                    token_times={w.id: [] for w in workload})
+    run = SystemRun(name, slots=engine.config.max_num_seqs, token_times={w.id: [] for w in workload},
+                    cached_tokens={})
     client = Client(connection, queue=queue, max_queue_length=None, result_ttl=RESULT_TTL_S)
     job_to_id = {f"{queue}-{w.id}": w.id for w in workload}
     id_to_job = {v: k for k, v in job_to_id.items()}
@@ -79,7 +79,8 @@ def run_batcher_redis(engine: Engine, workload: list[WorkloadRequest], connectio
         run.wall_s = time.perf_counter() - start
     run.peak_rss_bytes = rss.peak
     for job, rid in job_to_id.items():
-        run.tokens[rid] = client.result(job, timeout=RESULT_TIMEOUT_S).token_ids
+        result = client.result(job, timeout=RESULT_TIMEOUT_S)
+        run.tokens[rid], run.cached_tokens[rid] = result.token_ids, result.usage.cached_tokens
     worker.request_stop(None, None)  # drain: nothing is in flight, so it exits at once
     serving.join()
     connection.delete(*(keys.stream_key(job) for job in job_to_id))

@@ -2,7 +2,10 @@
 
 Each line is one request: {"id": "r0", "prompt_len": 37, "max_tokens": 10, "arrival_s": 0.0}.
 The prompt of the request on line i is `prompt_len` ids drawn from `random.Random(i)`, so every
-system that runs a workload sees the same token ids.
+system that runs a workload sees the same token ids. A line may also name a shared prefix,
+{"prefix_id": "d3", "prefix_len": 1024}: then its first `prefix_len` ids are drawn from
+`random.Random("prefix:" + prefix_id)`, the same on every line with that prefix_id, and the remaining
+`prompt_len - prefix_len` from `random.Random(i)`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT_ID_MARGIN = 100
+PREFIX_SEED_PREFIX = "prefix:"
 BUNDLED_DIR = Path(__file__).parent / "workloads"
+
+
+def _draw(seed: int | str, n: int, vocab_size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(PROMPT_ID_MARGIN, vocab_size - PROMPT_ID_MARGIN) for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -23,10 +32,23 @@ class WorkloadRequest:
     prompt_len: int
     max_tokens: int
     arrival_s: float
+    prefix_id: str | None = None
+    prefix_len: int = 0
 
     def prompt_token_ids(self, vocab_size: int) -> list[int]:
-        rng = random.Random(self.index)
-        return [rng.randrange(PROMPT_ID_MARGIN, vocab_size - PROMPT_ID_MARGIN) for _ in range(self.prompt_len)]
+        prefix = _draw(PREFIX_SEED_PREFIX + self.prefix_id, self.prefix_len, vocab_size) if self.prefix_id else []
+        return prefix + _draw(self.index, self.prompt_len - self.prefix_len, vocab_size)
+
+
+def shared_prefix_tokens(workload: list[WorkloadRequest]) -> int:
+    """Prompt tokens a perfect prefix cache would not compute: each prefix after the first time it is asked for."""
+    seen: set[str] = set()
+    shared = 0
+    for item in sorted(workload, key=lambda w: (w.arrival_s, w.index)):
+        if item.prefix_id is not None:
+            shared += item.prefix_len if item.prefix_id in seen else 0
+            seen.add(item.prefix_id)
+    return shared
 
 
 def bundled_workloads() -> list[str]:
@@ -43,11 +65,27 @@ def workload_path(name_or_path: str) -> Path:
     raise FileNotFoundError(f"no workload file {name_or_path!r}; bundled: {', '.join(bundled_workloads())}")
 
 
+def _request(index: int, obj: dict) -> WorkloadRequest:
+    prefix_id, prefix_len = obj.get("prefix_id"), obj.get("prefix_len")
+    if (prefix_id is None) != (prefix_len is None):
+        raise ValueError("prefix_id and prefix_len go together")
+    item = WorkloadRequest(index, str(obj["id"]), int(obj["prompt_len"]), int(obj["max_tokens"]),
+                           float(obj.get("arrival_s", 0.0)), None if prefix_id is None else str(prefix_id),
+                           int(prefix_len or 0))
+    if not 0 <= item.prefix_len <= item.prompt_len:
+        raise ValueError(f"prefix_len must be between 0 and prompt_len ({item.prompt_len}), got {item.prefix_len}")
+    return item
+
+
 def load_workload(name_or_path: str) -> list[WorkloadRequest]:
+    """The requests of a workload file; ValueError names the line of a malformed one."""
+    path = workload_path(name_or_path)
     rows = []
-    with open(workload_path(name_or_path)) as f:
+    with open(path) as f:
         for index, line in enumerate(line for line in f if line.strip()):
-            obj = json.loads(line)
-            rows.append(WorkloadRequest(index, str(obj["id"]), int(obj["prompt_len"]), int(obj["max_tokens"]),
-                                        float(obj.get("arrival_s", 0.0))))
+            try:
+                rows.append(_request(index, json.loads(line)))
+            except (ValueError, KeyError, TypeError) as exc:
+                reason = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"{path.name}, request {index + 1}: {reason}") from None
     return rows
