@@ -36,13 +36,18 @@ class PrefillSpan:
 @dataclass
 class DecodeGroup:
     """Decodes of similar context length, rows `[start, end)` of the batch. Their keys are padded
-    to the group's longest context, so one long sequence does not pad every other one."""
+    to the group's longest context, so one long sequence does not pad every other one.
+
+    With `shared_blocks`, every decode of the group starts from the same KV blocks (a prefix from the
+    prefix cache): `block_tables` is then one row, those blocks once and then each decode's own blocks,
+    and `bias` says which of those keys each decode sees."""
 
     start: int
     end: int
-    block_tables: torch.Tensor  # [b, W] KV blocks, padded with block 0
+    block_tables: torch.Tensor  # [b, W] KV blocks, padded with block 0 (shared: [1, W])
     context_lens: torch.Tensor  # [b]
-    bias: torch.Tensor  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding
+    bias: torch.Tensor  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding (shared: see below)
+    shared_blocks: int = 0  # how many blocks of the single row all decodes share
 
 
 @dataclass
@@ -138,6 +143,37 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.reshape(batch, heads, dim)
 
 
+def shared_prefix_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   blocks: torch.Tensor, bias: torch.Tensor, block_size: int, scaling: float,
+                                   shared_blocks: int, context_lens: torch.Tensor,
+                                   sliding_window: int | None = None) -> torch.Tensor:
+    """`paged_decode_attention` for decodes that all start from the same blocks (a prefix from the
+    prefix cache): `blocks [1, W]` holds those `shared_blocks` once, then each decode's own blocks
+    (padded to one width). The prefix's keys are gathered once, and the queries of every decode (and
+    every head sharing a KV head) meet all the keys in one attention call, `bias [B * G, W * block_size]`
+    (a row per decode and query head of a KV head, decode-major) hiding from each decode the others'
+    keys and the padding. The prefix is thus read once, not once per decode: worth it while the own
+    keys are few next to the prefix (the runner sees to that).
+
+    `context_lens` counts each decode's keys, the prefix's included; it places the window when there is one."""
+    batch, heads, dim = query.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    k = k_cache.view(-1, block_size, kv_heads, dim).index_select(0, blocks[0]).view(1, -1, kv_heads, dim)
+    v = v_cache.view(-1, block_size, kv_heads, dim).index_select(0, blocks[0]).view(1, -1, kv_heads, dim)
+    if sliding_window is not None:
+        prefix_len = shared_blocks * block_size
+        own_width = (bias.shape[1] - prefix_len) // batch
+        positions = torch.cat([torch.arange(prefix_len, device=bias.device),
+                               torch.arange(prefix_len, prefix_len + own_width, device=bias.device).repeat(batch)])
+        oldest = (context_lens - sliding_window).repeat_interleave(group)  # the first position still in the window
+        bias = bias.masked_fill(positions[None, :] < oldest[:, None], float("-inf"))
+    q = query.view(batch, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2).to(query.dtype), v.transpose(1, 2).to(query.dtype),
+                                         attn_mask=bias[None, None].to(query.dtype), scale=scaling)
+    return out[0].view(kv_heads, batch, group, dim).transpose(0, 1).reshape(batch, heads, dim)
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     sliding_window=None, attn_metadata: AttentionMetadata | None = None, **kwargs):
     """The transformers attention function: `query [1, H, T, D]`, `key/value [1, Hkv, T, D]`,
@@ -157,6 +193,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     out = torch.empty_like(q)
     for g in md.decode_groups:
+        if g.shared_blocks:
+            out[g.start : g.end] = shared_prefix_decode_attention(
+                q[g.start : g.end], k_cache, v_cache, g.block_tables, g.bias, md.block_size, scaling,
+                g.shared_blocks, g.context_lens, sliding_window)
+            continue
         out[g.start : g.end] = paged_decode_attention(q[g.start : g.end], k_cache, v_cache, g.block_tables, g.bias,
                                                       md.block_size, scaling, g.context_lens, sliding_window)
     for span in md.prefills:

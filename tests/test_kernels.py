@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import decode_attention, length_bias, paged_decode_attention, prefill_attention, write_kv
+from kernels.attention import (decode_attention, length_bias, paged_decode_attention, prefill_attention,
+                               shared_prefix_decode_attention, write_kv)
 
 
 def dense_reference(q, k, v, q_positions, scaling, window=None):
@@ -70,6 +71,36 @@ def test_block_gather_decode_matches_the_reference(window):
     bias = length_bias(lens, tables.shape[1] * block, torch.float32)
     got = paged_decode_attention(q, k_cache, v_cache, tables, bias, block, 0.4, lens, window)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 6, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefix_decode_matches_the_reference(window, dtype):
+    """Decodes starting from the same two blocks (a cached prefix) read them once, each with its own
+    blocks beside, and get what each would get alone."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, block = 6, 2, 8, 4
+    k_cache, v_cache = torch.randn(80, kv_heads, dim), torch.randn(80, kv_heads, dim)
+    prefix = [11, 6]
+    own = [[3, 7, 0], [12, 0, 0], [19, 2, 4]]  # after the prefix, padded with block 0
+    own_lens = [9, 1, 12]
+    lens = torch.tensor([8 + n for n in own_lens])
+    tables = torch.tensor([prefix + blocks for blocks in own])
+    positions = torch.arange(int(lens.max()))
+    slots = tables[:, positions // block] * block + positions % block
+    q = torch.randn(3, heads, dim)
+    want = decode_attention(q, k_cache, v_cache, slots, lens, 0.4, window)
+    row = torch.tensor([prefix + [b for blocks in own for b in blocks]])
+    bias = torch.full((3, row.shape[1] * block), float("-inf"))
+    bias[:, :8] = 0
+    for i, n in enumerate(own_lens):
+        bias[i, 8 + i * 12 : 8 + i * 12 + n] = 0  # 12 keys per decode after the prefix
+    bias = bias.repeat_interleave(heads // kv_heads, dim=0)  # a row per query head
+    got = shared_prefix_decode_attention(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), row, bias, block, 0.4,
+                                         len(prefix), lens, window)
+    assert got.dtype == dtype
+    tolerance = {} if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float(), want, **tolerance)
 
 
 def test_transformers_loads_a_model_with_our_kernels_package_importable(tiny_model_dir):

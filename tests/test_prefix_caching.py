@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+import kernels.attention
 from tests.engine_helpers import engine_for, greedy, reference_tokens
 
 VOCAB = 384
@@ -79,7 +80,11 @@ def check_scenario(model_dir, name):
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_cached_tokens_equal_uncached_and_generate_alone(tiny_model_dir, name):
+def test_cached_tokens_equal_uncached_and_generate_alone(tiny_model_dir, name, monkeypatch):
+    shared_reads = []
+    read_shared = kernels.attention.shared_prefix_decode_attention
+    monkeypatch.setattr(kernels.attention, "shared_prefix_decode_attention",
+                        lambda *args, **kw: shared_reads.append(1) or read_shared(*args, **kw))
     hits, preemptions = check_scenario(tiny_model_dir("llama"), name)
     knobs = SCENARIOS[name][0]
     size = knobs["block_size"]
@@ -100,6 +105,7 @@ def test_cached_tokens_equal_uncached_and_generate_alone(tiny_model_dir, name):
         assert hits["r4"] < 24 and hits["r5"] == 24, hits  # the other document evicted part of the first
     if name == "many-sharing-one-prefix":
         assert sum(h == 24 for h in hits.values()) == len(hits) - 1
+        assert shared_reads, "decodes sharing the prefix never read it together"
 
 
 def test_every_family_shares_a_prefix(tiny_model_dir, family):

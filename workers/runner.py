@@ -7,6 +7,8 @@ logits of the sequences that sample this step.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from batcher.config import EngineConfig
@@ -47,6 +49,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
         layers, kv_heads, head_dim = kv_shape(self.model)
+        self.heads_per_kv_head = self.model.config.get_text_config().num_attention_heads // kv_heads
         self.num_blocks = num_kv_blocks(self.model, config)
         slots = self.num_blocks * config.block_size
         self.kv_caches = [
@@ -59,29 +62,77 @@ class ModelRunner:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _decode_groups(self, decodes: list[Sequence]) -> list[DecodeGroup]:
-        """Split the decodes (sorted by context length) where a context exceeds DECODE_PAD_RATIO
-        times the group's shortest, and build each group's tables and length bias once per step."""
-        lens = [s.num_computed_tokens + 1 for s in decodes]
-        starts = [0] if decodes else []
-        for i in range(1, len(lens)):
-            if lens[i] > DECODE_PAD_RATIO * lens[starts[-1]]:
-                starts.append(i)
-        groups = []
-        for start, end in zip(starts, starts[1:] + [len(lens)]):
-            width = max(len(s.block_table) for s in decodes[start:end])
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes[start:end]])
-            group_lens = torch.tensor(lens[start:end])
-            bias = length_bias(group_lens, width * self.block_size, self.dtype)
-            groups.append(DecodeGroup(start, end, tables.to(self.device), group_lens.to(self.device),
-                                      bias.to(self.device)))
-        return groups
+    def _plan_decodes(self, decodes: list[Sequence]) -> tuple[list[Sequence], list[DecodeGroup]]:
+        """Order the decodes into attention groups, built once per step. Decodes that start from the same
+        cached blocks (prefix caching) are grouped to read those blocks once, as long as their own keys
+        are no more than the shared ones (each decode's query also meets the others' own keys, masked);
+        the others are grouped by context length alone."""
+        by_first_block: dict[int, list[Sequence]] = {}
+        for seq in decodes:
+            by_first_block.setdefault(seq.block_table[0], []).append(seq)
+        order: list[Sequence] = []
+        groups: list[DecodeGroup] = []
+        alone: list[Sequence] = []
+        for members in by_first_block.values():
+            if len(members) == 1:
+                alone.extend(members)
+                continue
+            shared = sum(1 for _ in itertools.takewhile(lambda blocks: len(set(blocks)) == 1,
+                                                        zip(*(s.block_table for s in members))))
+            for part in self._by_context(members):
+                per_group = max(1, shared // (max(len(s.block_table) for s in part) - shared))
+                for chunk in (part[i : i + per_group] for i in range(0, len(part), per_group)):
+                    if len(chunk) == 1:
+                        alone.extend(chunk)
+                        continue
+                    groups.append(self._shared_group(chunk, shared, len(order)))
+                    order.extend(chunk)
+        for part in self._by_context(alone):
+            groups.append(self._group(part, len(order)))
+            order.extend(part)
+        return order, groups
+
+    @staticmethod
+    def _by_context(decodes: list[Sequence]) -> list[list[Sequence]]:
+        """Sort by context length, and split where a context exceeds DECODE_PAD_RATIO times the part's shortest."""
+        parts: list[list[Sequence]] = []
+        for seq in sorted(decodes, key=lambda s: s.num_computed_tokens):
+            if not parts or seq.num_computed_tokens + 1 > DECODE_PAD_RATIO * (parts[-1][0].num_computed_tokens + 1):
+                parts.append([])
+            parts[-1].append(seq)
+        return parts
+
+    def _group(self, decodes: list[Sequence], start: int) -> DecodeGroup:
+        """Decodes at rows `start...`, each over its own blocks, padded to the longest."""
+        width = max(len(s.block_table) for s in decodes)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
+        lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+        bias = length_bias(lens, width * self.block_size, self.dtype)
+        return DecodeGroup(start, start + len(decodes), tables.to(self.device), lens.to(self.device),
+                           bias.to(self.device))
+
+    def _shared_group(self, decodes: list[Sequence], shared: int, start: int) -> DecodeGroup:
+        """Decodes at rows `start...` that all start from the same `shared` blocks: one row of blocks (those
+        once, then each decode's own, padded to one width) and a bias, one row per query head, that shows
+        each decode its keys."""
+        own = [s.block_table[shared:] for s in decodes]
+        width = max(len(blocks) for blocks in own)
+        row = decodes[0].block_table[:shared] + [b for blocks in own for b in blocks + [0] * (width - len(blocks))]
+        lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+        own_keys, own_lens = width * self.block_size, lens - shared * self.block_size
+        key = torch.arange(len(decodes) * own_keys)
+        sees = (key[None, :] // own_keys == torch.arange(len(decodes))[:, None]) & (key % own_keys < own_lens[:, None])
+        bias = torch.zeros(len(decodes), len(row) * self.block_size, dtype=self.dtype)
+        bias[:, shared * self.block_size :].masked_fill_(~sees, float("-inf"))
+        bias = bias.repeat_interleave(self.heads_per_kv_head, dim=0)
+        return DecodeGroup(start, start + len(decodes), torch.tensor([row], device=self.device), lens.to(self.device),
+                           bias.to(self.device), shared_blocks=shared)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
         K sequences whose prompt is now fully computed, in the order returned."""
-        decodes = sorted((s for s, n in batch.num_tokens.items() if n == 1), key=lambda s: s.num_computed_tokens)
+        decodes, decode_groups = self._plan_decodes([s for s, n in batch.num_tokens.items() if n == 1])
         prefills = [(s, n) for s, n in batch.num_tokens.items() if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -107,7 +158,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
             num_decodes=len(decodes),
             block_size=self.block_size,
-            decode_groups=self._decode_groups(decodes),
+            decode_groups=decode_groups,
             prefills=spans,
         )
         if not sampling:
