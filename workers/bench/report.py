@@ -130,7 +130,8 @@ class BenchReport:
         base = self.system(self.baseline).generated_tok_s
         ms = lambda d, k: "-" if d[k] is None else f"{d[k] * 1000:.0f}"  # noqa: E731
         width = max(20, *(len(s.system) + 2 for s in self.systems))
-        header = (f"{'system':<{width}}{'gen tok/s':>10}{'x ' + self.baseline:>24}{'prompt tok/s':>13}"
+        ratio_width = max(24, len(self.baseline) + 4)
+        header = (f"{'system':<{width}}{'gen tok/s':>10}{'x ' + self.baseline:>{ratio_width}}{'prompt tok/s':>13}"
                   f"{'total tok/s':>12}{'TTFT ms p50/p99/max':>22}{'ITL ms p50/p99/max':>21}{'occupancy':>11}"
                   f"{'RSS MB':>8}{'MFU':>6}{'prefix hits':>12}  greedy tokens")
         shared = (f"{self.shared_prefix_tokens} of them in shared prefixes after their first request"
@@ -144,7 +145,7 @@ class BenchReport:
                 "agree" if not s.mismatched_requests else f"DIFFER in {len(s.mismatched_requests)} requests")
             hits = "-" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.0%}"
             lines.append(
-                f"{s.system:<{width}}{s.generated_tok_s:>10.1f}{s.generated_tok_s / base:>23.2f}x"
+                f"{s.system:<{width}}{s.generated_tok_s:>10.1f}{s.generated_tok_s / base:>{ratio_width - 1}.2f}x"
                 f"{s.prompt_tok_s:>13.1f}{s.total_tok_s:>12.1f}"
                 f"{ms(s.ttft_s, 'p50') + '/' + ms(s.ttft_s, 'p99') + '/' + ms(s.ttft_s, 'max'):>22}"
                 f"{ms(s.itl_s, 'p50') + '/' + ms(s.itl_s, 'p99') + '/' + ms(s.itl_s, 'max'):>21}"
