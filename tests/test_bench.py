@@ -21,7 +21,7 @@ WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
 def report(tiny_model_dir):
     """Every system, the @redis ones through a database of the real Redis that only this module uses."""
     config = EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=2, max_num_batched_tokens=16,
-                          block_size=4, kv_cache_bytes=1 << 20)
+                          block_size=4, kv_cache_bytes=1 << 20, dtype="float32")
     url, connection = claim_database()
     try:
         yield run_bench(WORKLOAD, "tiny", [System.parse(s) for s in ALL_SYSTEMS], System.parse("batcher:static"),
@@ -92,7 +92,7 @@ def test_cli_runs_systems_and_writes_json_and_plot(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     result = CliRunner().invoke(main, [
         "bench", "--model", str(tiny_model_dir("llama")), "--workload", str(workload), "--max-num-seqs", "2",
-        "--kv-cache-bytes", str(1 << 20), "--systems", "batcher:continuous,hf-naive", "--baseline", "hf-naive",
+        "--kv-cache-bytes", str(1 << 20), "--dtype", "float32", "--systems", "batcher:continuous,hf-naive", "--baseline", "hf-naive",
         "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
     assert result.exit_code == 0, result.output
     assert "batcher:continuous" in result.output and "x hf-naive" in result.output
@@ -112,7 +112,7 @@ def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
     """Workloads generate exactly max_tokens: the model's default EOS must not end a row early."""
     from workers.bench.peers import load_hf_model, run_hf_naive
 
-    model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama"))))
+    model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32"))
     first = run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"]
     model.generation_config.eos_token_id = first[0]
     assert run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"] == first

@@ -43,7 +43,8 @@ def engine(tiny_model_dir):
     # 3 slots for 5 requests, so some wait; 10 blocks of 4 tokens hold 3 prompts but not their
     # outputs, so decoding preempts.
     return build_engine(EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=3, block_size=4,
-                                     num_blocks=10, max_num_batched_tokens=32, device="cpu"))
+                                     num_blocks=10, max_num_batched_tokens=32, device="cpu",
+                                     dtype="float32"))
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

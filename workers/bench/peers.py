@@ -25,7 +25,7 @@ from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.workload import WorkloadRequest
 from workers.engine import WARMUP_REQUEST
 from workers.models import resolve
-from workers.runner import DTYPES
+from workers.precision import DTYPES
 
 HF_ATTENTION = "sdpa"
 PAD_TOKEN_ID = 0  # left padding is masked out, so any id works

@@ -21,7 +21,8 @@ from workers.bench.report import BenchReport, ModelCost, environment, matmul_pro
 from workers.bench.system import System
 from workers.bench.workload import WorkloadRequest
 from workers.engine import Engine, build_engine
-from workers.runner import DTYPES, resolve_device
+from workers.precision import DTYPES, resolve_dtype
+from workers.runner import resolve_device
 
 
 def workload_request(item: WorkloadRequest, vocab_size: int) -> GenerationRequest:
@@ -96,6 +97,7 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System],
         raise ValueError(f"the baseline {baseline} must be one of the systems run: {', '.join(map(str, systems))}")
     torch.set_num_threads(threads)
     device = resolve_device(config.device)
+    config = replace(config, dtype=resolve_dtype(config.dtype, device))  # every system runs in the same dtype
     probe = matmul_probe(DTYPES[config.dtype], str(device))
     runs: dict[System, SystemRun] = {}
     cost = None
