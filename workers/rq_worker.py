@@ -516,7 +516,7 @@ class BatchWorker(BaseBatchWorker):
             name=self.name, host=socket.gethostname(), pid=os.getpid(),
             queues=",".join(sorted({q.name.split(keys.PRIORITY_SEPARATOR)[0] for q in self.queues})),
             model=self.model_name, state=state, in_flight=len(self._jobs), free_slots=self.engine.free_slots,
-            kv_usage=round(self.engine.kv_cache_usage, 4),
+            kv_usage=round(self.engine.kv_cache_usage, 4), dtype=self.engine.dtype,
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time())
 
     def _unpublish_stats(self) -> None:

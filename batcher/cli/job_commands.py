@@ -60,6 +60,7 @@ def worker(redis_url, queues, engine_config, name, lease, burst, metrics_port, m
         keys.check_queue(queue)
     connection = connect(redis_url)
     engine = build_engine(engine_config)
+    click.echo(f"model {engine.loaded.name} in {engine.dtype} (--dtype {engine_config.dtype})", err=True)
     hooks = {}
     if metrics_port is not None:
         from workers.metrics import EngineMetrics
