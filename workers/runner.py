@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from batcher.blocks import BlockAllocator
+from batcher.blocks import BlockAllocator, blocks_needed
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Sequence
 from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, length_bias, step_metadata
@@ -119,7 +119,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
             if n > 1:
-                context = None if start == 0 else torch.tensor(self._slots(seq, 0, end), device=self.device)
+                context = None if start == 0 else torch.tensor(seq.block_table[: blocks_needed(end, self.block_size)],
+                                                               device=self.device)
                 spans.append(PrefillSpan(row, n, start, context))
             if end == seq.num_tokens:
                 sampling.append(seq)
