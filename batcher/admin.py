@@ -93,5 +93,6 @@ def requeue_failed(connection: Redis, queue: str | None = None) -> int:
         job_ids = registry.get_job_ids()
         for job_id in job_ids:
             registry.requeue(job_id)
+            connection.delete(keys.cancel_key(job_id))  # run again on purpose: an old cancel must not stop it
         total += len(job_ids)
     return total

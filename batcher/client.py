@@ -6,6 +6,7 @@ No torch here: a backend needs only `pip install batcher`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from redis import Redis
-from rq import Queue, Retry
+from rq import Queue
 from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
@@ -22,6 +23,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from batcher import keys
+from batcher.errors import BatcherError
+from batcher.job_stream import append_event
 from batcher.jobs import JOB_FUNCTION, job_argument
 from batcher.redis_retry import retry_while_unreachable
 from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
@@ -31,19 +34,17 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_RESULT_TTL_S = 24 * 3600  # how long a result (and its stream) stays readable
 DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure stays in the FailedJobRegistry
 DEFAULT_QUEUE_TTL_S = 24 * 3600  # the longest a job may wait in the queue before RQ drops it
-DEFAULT_MAX_RETRIES = 2  # retries after a lost worker (a bad request fails at once, without retries)
 DEFAULT_MAX_QUEUE_LENGTH = 100_000  # refuse to enqueue beyond this many waiting jobs in one queue
 DEFAULT_SUMMARY_INSTRUCTIONS = "Summarise the following document in a few sentences."
 DEFAULT_SUMMARY_MAX_TOKENS = 256
 POLL_S = 1.0  # how long one blocking read waits before the job's status is checked again
-STOP_WAIT_S = 2.0  # how long cancel waits for a just-dequeued job to show as started
-STOP_POLL_S = 0.05
+CANCEL_TTL_S = 7 * 24 * 3600  # a cancel outlives any wait for a worker; the job's end deletes it
 DESCRIPTION_CHARS = 60
 
 TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
 
 
-class JobFailed(RuntimeError):
+class JobFailed(BatcherError, RuntimeError):
     """The job ended without a result: failed, stopped or cancelled. `reason` says why."""
 
     def __init__(self, job_id: str, status: str, reason: str) -> None:
@@ -51,11 +52,11 @@ class JobFailed(RuntimeError):
         self.job_id, self.status, self.reason = job_id, status, reason
 
 
-class JobNotFound(LookupError):
+class JobNotFound(BatcherError, LookupError):
     """No such job: never enqueued, or expired (result TTL, failure TTL or queue TTL)."""
 
 
-class QueueFull(RuntimeError):
+class QueueFull(BatcherError, RuntimeError):
     """Backpressure: the queue holds more jobs than the client's `max_queue_length`."""
 
 
@@ -90,15 +91,11 @@ class Client:
         result_ttl: int = DEFAULT_RESULT_TTL_S,
         failure_ttl: int = DEFAULT_FAILURE_TTL_S,
         queue_ttl: int = DEFAULT_QUEUE_TTL_S,
-        max_retries: int = DEFAULT_MAX_RETRIES,
         max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH,
     ) -> None:
-        if max_retries < 1:
-            raise ValueError("max_retries must be at least 1: a job whose worker dies is retried, or it is lost")
         self.connection = redis if isinstance(redis, Redis) else connect(redis)
         self.queue = keys.check_queue(queue)
         self.result_ttl, self.failure_ttl, self.queue_ttl = result_ttl, failure_ttl, queue_ttl
-        self.max_retries = max_retries
         self.max_queue_length = max_queue_length
         self._queues: dict[str, Queue] = {}
 
@@ -122,7 +119,6 @@ class Client:
                 result_ttl=self.result_ttl,
                 failure_ttl=self.failure_ttl,
                 ttl=self.queue_ttl,
-                retry=Retry(max=self.max_retries, enqueue_at_front=True),
             ))
             for i, request in enumerate(requests)
         ]
@@ -146,9 +142,11 @@ class Client:
         """Yield the job's events from the start until `done` or `error` (blocking reads).
 
         After a `restart`, only events of the restart's execution are yielded, so a reader never mixes
-        the text of a lost attempt with the new one. A job that ends without a terminal event (cancelled
-        while queued, abandoned after its retries) ends the stream with one inferred from its status."""
+        the text of a lost attempt with the new one. A job that ends without a terminal event (one that
+        expired while queued) ends the stream with one inferred from its status. Redis outages after the
+        start are waited out."""
         key = keys.stream_key(job_id)
+        self.connection.ping()  # Redis unreachable from the start is an error at once; later outages are waited out
         deadline = None if timeout is None else time.monotonic() + timeout
         last_id, current = "0-0", None
         while True:
@@ -179,7 +177,7 @@ class Client:
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
         """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = retry_while_unreachable(self._fetch, job_id, deadline=deadline)
+        job = self._fetch(job_id)  # an unknown job, or Redis unreachable from the start, is an error at once
         while True:
             result = retry_while_unreachable(self._wait_for_result, job, deadline, timeout, deadline=deadline)
             if result is not None:
@@ -200,30 +198,31 @@ class Client:
 
     # ----- control -----
     def cancel(self, job_id: str) -> bool:
-        """Cancel a queued job (through RQ) or stop a running one (RQ's stop-job command).
+        """Cancel a job: a queued one never runs, a running one stops within one step (its partial text stays in
+        its stream), and one whose worker was lost is not started again. False if the job had already ended.
 
-        Return False if the job had already ended."""
+        The cancel is recorded in Redis first (`keys.cancel_key`), so it wins even where no worker hears RQ's
+        stop-job command: a worker checks it when it starts the job, each time it renews the job's lease, and
+        when it recovers the job of a lost worker."""
         job = self._fetch(job_id)
+        if self._status(job) in TERMINAL_STATUSES:
+            return False
+        self.connection.set(keys.cancel_key(job.id), 1, ex=CANCEL_TTL_S)
         if self._rq_queue(job.origin).remove(job.id):  # atomic: no worker can take it any more
             job.cancel()
+            with self.connection.pipeline() as pipe:
+                failure_ttl = job.failure_ttl if job.failure_ttl is not None else self.failure_ttl
+                append_event(pipe, job.id, StreamEvent(type="done", finish_reason="cancelled"), failure_ttl)
+                pipe.delete(keys.cancel_key(job.id))
+                pipe.execute()
             return True
-        deadline = time.monotonic() + STOP_WAIT_S
-        while True:
-            status = self._status(job)
-            if status in TERMINAL_STATUSES:
-                return False
-            if status == JobStatus.STARTED:
-                try:
-                    send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
-                    return True
-                except InvalidJobOperation:
-                    pass
-            elif status != JobStatus.QUEUED:  # deferred or scheduled: not in a queue list, RQ cancels it
-                job.cancel()
-                return True
-            if time.monotonic() > deadline:  # taken by a worker that never started it: the lease decides
-                raise TimeoutError(f"job {job_id} is neither queued nor started; try again")
-            time.sleep(STOP_POLL_S)
+        status = self._status(job)
+        if status == JobStatus.STARTED:
+            with contextlib.suppress(InvalidJobOperation):  # the fast path; the recorded cancel is the sure one
+                send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
+        elif status in (JobStatus.DEFERRED, JobStatus.SCHEDULED):  # not in a queue list: RQ cancels it
+            job.cancel()
+        return True
 
     def status(self, job_id: str) -> JobInfo:
         job = self._fetch(job_id)

@@ -18,6 +18,7 @@ JOB_FUNCTION = "batcher.jobs.generate"
 # A worker holds each job it runs on a lease this long, renewed by heartbeats; when a worker dies, its
 # jobs are retried (RQ's Retry) about this long later.
 DEFAULT_LEASE_S = 10
+MAX_REASON_CHARS = 2000  # a failure reason is stored in Redis and printed by `batcher status`: keep it readable
 PLAIN_WORKER_MESSAGE = (
     "batcher jobs run only on a batcher worker, which batches many of them on one model: "
     "start one with `batcher worker --queue <queue> --model <model>` (a plain `rq worker` cannot run them)"
@@ -35,6 +36,14 @@ class NeedsBatchWorker(RuntimeError):
 def generate(request: dict) -> dict:
     """The function a job names. BatchWorker never calls it; a plain `rq worker` does, and fails the job."""
     raise NeedsBatchWorker(PLAIN_WORKER_MESSAGE)
+
+
+def bounded_reason(reason: str) -> str:
+    """`reason`, cut to MAX_REASON_CHARS with a note of how much was left out."""
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    note = f" ... ({len(reason) - MAX_REASON_CHARS} more characters)"
+    return reason[: MAX_REASON_CHARS - len(note)] + note
 
 
 def job_argument(request: GenerationRequest) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from batcher.errors import InvalidName
+
 DEFAULT_QUEUE = "batcher"
 NUM_PRIORITIES = 10  # GenerationRequest.priority is 0 (most urgent) to 9
 PRIORITY_SEPARATOR = ".p"
@@ -23,16 +25,16 @@ QUEUE_PATTERN = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_QUEUE_CHARS}}}")
 
 
 def check_job_id(job_id: str) -> str:
-    """Return `job_id` if it is safe to put in a key; raise ValueError otherwise."""
+    """Return `job_id` if it is safe to put in a key; raise InvalidName (a ValueError) otherwise."""
     if not isinstance(job_id, str) or not JOB_ID_PATTERN.fullmatch(job_id):
-        raise ValueError(f"a job id has only the characters A-Z a-z 0-9 _ -, got {job_id!r}")
+        raise InvalidName(f"a job id has only the characters A-Z a-z 0-9 _ -, got {job_id!r}")
     return job_id
 
 
 def check_queue(name: str) -> str:
-    """Return the queue base name `name` if it is valid; raise ValueError otherwise."""
+    """Return the queue base name `name` if it is valid; raise InvalidName (a ValueError) otherwise."""
     if not isinstance(name, str) or not QUEUE_PATTERN.fullmatch(name):
-        raise ValueError(f"a queue name has 1 to {MAX_QUEUE_CHARS} characters from A-Z a-z 0-9 _ -, got {name!r}")
+        raise InvalidName(f"a queue name has 1 to {MAX_QUEUE_CHARS} characters from A-Z a-z 0-9 _ -, got {name!r}")
     return name
 
 
@@ -43,7 +45,7 @@ def queue_name(base: str, priority: int) -> str:
     that already uses RQ lands at the default priority."""
     check_queue(base)
     if not 0 <= priority < NUM_PRIORITIES:
-        raise ValueError(f"priority must be 0 to {NUM_PRIORITIES - 1}, got {priority}")
+        raise InvalidName(f"priority must be 0 to {NUM_PRIORITIES - 1}, got {priority}")
     return base if priority == 0 else f"{base}{PRIORITY_SEPARATOR}{priority}"
 
 
@@ -57,7 +59,6 @@ def stream_key(job_id: str) -> str:
     return STREAM_PREFIX + check_job_id(job_id)
 
 
-
 WORKER_STATS_PREFIX = "batcher:worker:"
 WORKERS_SET = "batcher:workers"  # names of workers that published stats; a dead one's hash expires
 
@@ -65,3 +66,32 @@ WORKERS_SET = "batcher:workers"  # names of workers that published stats; a dead
 def worker_stats_key(name: str) -> str:
     """The hash where a worker publishes its figures with every heartbeat (`batcher workers` reads it)."""
     return WORKER_STATS_PREFIX + name
+
+
+# ----- leases and cancellation (a worker's hold on a job, and a cancel that outlives any worker) -----
+LEASE_PREFIX = "batcher:lease:"
+LEASE_INDEX_PREFIX = "batcher:leases:"
+ATTEMPTS_PREFIX = "batcher:attempts:"
+CANCEL_PREFIX = "batcher:cancel:"
+
+
+def lease_key(job_id: str) -> str:
+    """The lease of a started job: its execution id, expiring unless the worker's keeper renews it.
+    Every write of that execution (stream events, the result) is fenced by it on the Redis side."""
+    return LEASE_PREFIX + check_job_id(job_id)
+
+
+def lease_index_key(queue: str) -> str:
+    """The leases of one RQ queue by expiry time (member `<job_id>:<execution_id>`): where a worker looks
+    for the jobs of dead workers."""
+    return LEASE_INDEX_PREFIX + queue
+
+
+def attempts_key(job_id: str) -> str:
+    """How many times a job has been started; a job whose workers keep dying fails after a few."""
+    return ATTEMPTS_PREFIX + check_job_id(job_id)
+
+
+def cancel_key(job_id: str) -> str:
+    """Set when a job is cancelled, so that the cancel wins even if no worker hears the stop command."""
+    return CANCEL_PREFIX + check_job_id(job_id)

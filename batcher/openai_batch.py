@@ -18,14 +18,20 @@ CHAT_URL = "/v1/chat/completions"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                    "repetition_penalty")
 IGNORED_BODY_FIELDS = ("model", "n", "stream", "user")
+MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
+MAX_PROBLEM_CHARS = 200
 
 
 def readable(exc: ValidationError) -> str:
-    """One line per problem, naming the field: what pydantic says, without its URLs."""
+    """What pydantic says, without its URLs: the first few problems, each naming its field, and how many
+    there were in all."""
+    errors = exc.errors()
     parts = []
-    for err in exc.errors():
+    for err in errors[:MAX_LISTED_PROBLEMS]:
         where = ".".join(str(p) for p in err["loc"]) or "request"
-        parts.append(f"{where}: {err['msg']}")
+        parts.append(f"{where}: {err['msg']}"[:MAX_PROBLEM_CHARS])
+    if len(errors) > MAX_LISTED_PROBLEMS:
+        parts.append(f"and {len(errors) - MAX_LISTED_PROBLEMS} more ({len(errors)} problems in all)")
     return "; ".join(parts)
 
 

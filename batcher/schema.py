@@ -137,7 +137,8 @@ class StreamEvent(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     type: StreamEventType
-    execution_id: str | None = Field(None, description="None only on an end a reader infers from the job's status")
+    execution_id: str | None = Field(None, description="None only on an end written for an execution that is gone "
+                                                       "(by the worker that recovered its job, or inferred by a reader)")
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     index: int = 0

@@ -62,8 +62,8 @@ def test_a_plain_rq_worker_fails_the_job_and_says_to_run_batcher_worker(fake_red
     assert "batcher worker" in job.latest_result().exc_string
 
 
-def test_submit_enqueues_an_rq_job_with_json_retry_and_ttls(fake_redis):
-    client = Client(fake_redis, queue="jobs", result_ttl=111, failure_ttl=222, queue_ttl=333, max_retries=3)
+def test_submit_enqueues_an_rq_job_with_json_and_ttls(fake_redis):
+    client = Client(fake_redis, queue="jobs", result_ttl=111, failure_ttl=222, queue_ttl=333)
     request = GenerationRequest(prompt="Hello   there\nworld " * 10, priority=2, metadata={"user": "u1"})
     job_id = client.submit(request)
     job = Job.fetch(job_id, connection=fake_redis, serializer=JSONSerializer)
@@ -71,7 +71,7 @@ def test_submit_enqueues_an_rq_job_with_json_retry_and_ttls(fake_redis):
     assert job.args == (request.model_dump(mode="json"),) or job.args == [request.model_dump(mode="json")]
     assert job.kwargs == {} and job.meta == {}
     assert (job.result_ttl, job.failure_ttl, job.ttl) == (111, 222, 333)
-    assert job.retries_left == 3 and job.enqueue_at_front_on_retry
+    assert job.retries_left is None  # crash recovery is the worker's (workers/leases.py), not RQ's Retry
     assert job.description.startswith("generate: Hello there world") and len(job.description) < 80
     assert 0 < fake_redis.ttl(job.key) <= 333  # the queue TTL
     raw = fake_redis.hget(job.key, "data")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 
@@ -13,17 +12,6 @@ from batcher.cli import main
 from batcher.cli.options import engine_options, queue_option, redis_url_option
 from batcher.config import DEFAULT_METRICS_ADDR
 from batcher.jobs import DEFAULT_LEASE_S
-
-
-@contextlib.contextmanager
-def _existing_job():
-    """Turn an unknown job id into a one-line CLI error."""
-    from batcher.client import JobNotFound
-
-    try:
-        yield
-    except JobNotFound as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 def _client(redis_url: str, queue: str = keys.DEFAULT_QUEUE):
@@ -170,8 +158,7 @@ def _print_stream(client, job_id: str) -> int:
 @click.argument("job_id")
 def status(redis_url, job_id):
     """Show a job's status, queue position, worker, times and failure reason."""
-    with _existing_job():
-        info = _client(redis_url).status(job_id)
+    info = _client(redis_url).status(job_id)
     for name, value in vars(info).items():
         if value is not None:
             click.echo(f"{name}: {value}")
@@ -182,8 +169,7 @@ def status(redis_url, job_id):
 @click.argument("job_id")
 def cancel(redis_url, job_id):
     """Cancel a queued job, or stop a running one (its partial text is kept in its stream)."""
-    with _existing_job():
-        cancelled = _client(redis_url).cancel(job_id)
+    cancelled = _client(redis_url).cancel(job_id)
     if not cancelled:
         raise click.ClickException(f"job {job_id} had already ended")
     click.echo(f"cancelled {job_id}")
