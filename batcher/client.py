@@ -300,9 +300,8 @@ class Client:
         the batch: it counts as a failed request, with its reason in the error file. Each job carries the
         batch's deadline, so no worker starts it after the completion window. Raise BatchInputError for a
         bad window or metadata, QueueFull when the queue fills (the batch then ends `failed`)."""
-        lines = (line.decode() if isinstance(line, bytes) else line for line in lines)
         lines = (line for line in lines if line.strip())
-        head: list[str] = []
+        head: list[str | bytes] = []
         if endpoint is None:
             for line in lines:
                 head.append(line)
@@ -318,7 +317,7 @@ class Client:
         chunk: list[tuple[int, str | None, GenerationRequest | None, str | None]] = []
         for line in itertools.chain(head, lines):
             try:
-                custom_id, request = parse_batch_line(line, batch.endpoint)
+                custom_id, request = parse_batch_line(_decoded(line), batch.endpoint)
                 request = request.model_copy(update={
                     "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id), "deadline": deadline,
                     "priority": priority})
@@ -466,7 +465,16 @@ def _as_request(request: GenerationRequest | str | dict) -> GenerationRequest:
     return GenerationRequest.model_validate(request)
 
 
-def _line_url(line: str) -> str | None:
+def _decoded(line: str | bytes) -> str:
+    if isinstance(line, str):
+        return line
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BatchLineError(None, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _line_url(line: str | bytes) -> str | None:
     """The url of a batch line, if it is one of the endpoints (the batch's endpoint when none was given)."""
     try:
         url = json.loads(line).get("url")

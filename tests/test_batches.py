@@ -205,3 +205,32 @@ def test_a_request_with_a_model_goes_to_the_models_queue_which_its_workers_poll_
     assert keys.base_queue(keys.queue_name(routed, 2)) == keys.DEFAULT_QUEUE
     polled = keys.priority_queue_names(["batcher"], model="HuggingFaceTB/SmolLM2-135M-Instruct")
     assert polled[:3] == [routed, "batcher", f"{routed}.p1"] and len(polled) == 2 * keys.NUM_PRIORITIES
+
+
+def test_the_batch_commands(fake_redis, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from batcher.cli import job_commands, main
+
+    monkeypatch.setattr(job_commands, "_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
+    path = tmp_path / "in.jsonl"
+    path.write_bytes("\n".join(batch_lines(3, bad=(1,))).encode() + b"\n\xff\xfe\n")
+    run = CliRunner().invoke
+    created = run(main, ["batch", "create", str(path), "--metadata", "owner=me", "--window", "1h"])
+    assert created.exit_code == 0, created.output
+    batch_id = created.stdout.strip()
+    finish(Client(fake_redis), keys.batch_job_id(batch_id, 0))
+    status = run(main, ["batch", "status", batch_id])
+    assert "status: in_progress" in status.output and "1 completed, 2 failed of 4" in status.output
+    assert json.loads(run(main, ["batch", "status", batch_id, "--json"]).output)["metadata"] == {"owner": "me"}
+    assert batch_id in run(main, ["batch", "list"]).output
+    assert [json.loads(x)["custom_id"] for x in run(main, ["batch", "output", batch_id]).output.splitlines()] == ["c0"]
+    errors = [json.loads(x) for x in run(main, ["batch", "output", batch_id, "--errors"]).output.splitlines()]
+    assert "not UTF-8 text" in errors[-1]["error"]["message"]
+    assert run(main, ["batch", "cancel", batch_id]).output.strip() == f"{batch_id}: cancelled"
+    unknown = run(main, ["batch", "status", "batch_nope"])
+    assert unknown.exit_code == 1 and "Error: no batch batch_nope" in unknown.output
+    bad_window = run(main, ["batch", "create", str(path), "--window", "soon"])
+    assert bad_window.exit_code == 1 and "completion_window" in bad_window.output
+    missing = run(main, ["batch", "create", str(tmp_path / "nope.jsonl")])
+    assert missing.exit_code == 2 and "No such file" in missing.output

@@ -49,6 +49,7 @@ from rq.utils import as_text, current_timestamp, get_version, now
 from rq.worker import BaseWorker, WorkerStatus
 
 from batcher import keys
+from batcher.batches import record_job_end
 from batcher.jobs import DEFAULT_LEASE_S, InvalidJob, request_from_job
 from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest, GenerationResult, Timings
@@ -103,6 +104,7 @@ class InFlight:
     failure_ttl: int
     timeout_at: float | None = None
     first_token_at: float | None = None
+    request: GenerationRequest | None = None  # None while undecoded, or if the job carries no valid request
 
 
 AddedHook = Callable[["BatchWorker", Sequence], None]
@@ -118,7 +120,7 @@ class BatchWorker(BaseWorker):
     `queue_depths` holds the queue lengths as last read."""
 
     def __init__(self, queues: list[str], engine: Engine, *, connection: Redis, name: str | None = None,
-                 lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None, on_step: StepHook | None = None,
+                 model_name: str | None = None, lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None, on_step: StepHook | None = None,
                  on_job_end: JobEndHook | None = None) -> None:
         if lease_s < 1:
             raise ValueError(f"lease_s must be at least 1 second, got {lease_s}")
@@ -130,7 +132,8 @@ class BatchWorker(BaseWorker):
         super().__init__(list(queues), name=name, connection=connection, serializer=JSONSerializer,
                          maintenance_interval=DEFAULT_MAINTENANCE_INTERVAL_S)
         self.engine = engine
-        self.model_name = engine.loaded.name
+        self.model_name = model_name or engine.loaded.name  # the name jobs use to route to this worker
+        self._recording: tuple[InFlight, JobEnd] | None = None  # the end RQ's handler is writing now
         self.lease_s = int(lease_s)
         self.on_added, self.on_step, self.on_job_end = on_added, on_step, on_job_end
         self.streams = StreamWriter(connection)
@@ -327,7 +330,8 @@ class BatchWorker(BaseWorker):
                 self.streams.restart(job.id, execution.id, f.result_ttl)
             self.streams.start(job.id, execution.id, f.result_ttl)
             try:
-                request = self._request(job)
+                request = f.request = self._request(job)
+                _check_deadline(request)
                 seq = self.engine.add(execution.id, request, arrival_time=admitted_at)
                 if request.timeout_s is not None:
                     f.timeout_at = admitted_at + request.timeout_s
@@ -344,12 +348,7 @@ class BatchWorker(BaseWorker):
             func_name, args, kwargs = job.func_name, job.args, job.kwargs
         except DeserializationError:
             raise InvalidJob(PICKLED_JOB_REASON) from None
-        request = request_from_job(func_name, args, kwargs)
-        if request.deadline is not None:
-            deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
-            if datetime.now(timezone.utc) > deadline:
-                raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
-        return request
+        return request_from_job(func_name, args, kwargs)
 
     # ----- requests from other threads, and running timeouts -----
     def handle_payload(self, message) -> None:
@@ -469,6 +468,7 @@ class BatchWorker(BaseWorker):
         job = f.job
         job.ended_at = now()
         self.execution = f.execution
+        self._recording = (f, end)
         try:
             if end.status == "finished":
                 job._result = end.result.model_dump(mode="json")
@@ -484,6 +484,17 @@ class BatchWorker(BaseWorker):
         finally:
             self.execution = None
             self._stopped_job_id = None
+            self._recording = None
+
+    def cleanup_execution(self, job: Job, pipeline) -> None:
+        """RQ's handlers call this in the transaction that writes the job's Result: the job's batch line,
+        counts and completion-feed entries join that transaction (batcher.batches.record_job_end)."""
+        super().cleanup_execution(job, pipeline)
+        if self._recording is not None and self._recording[0].job is job:
+            f, end = self._recording
+            self._recording = None  # once, even if a handler called this twice
+            record_job_end(pipeline, job_id=job.id, queue=f.queue.name, status=end.status, request=f.request,
+                           result=end.result, reason=end.reason)
 
     def _forget(self, f: InFlight, end: JobEnd) -> None:
         with self._lock:
@@ -595,7 +606,7 @@ class BatchWorker(BaseWorker):
             state = "suspended"
         else:
             state = "busy" if self._jobs else "idle"
-        bases = sorted({q.name.split(keys.PRIORITY_SEPARATOR)[0] for q in self.queues})
+        bases = sorted({keys.base_queue(q.name) for q in self.queues})
         key = keys.worker_stats_key(self.name)
         pipe.hset(key, mapping={
             "name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "queues": ",".join(bases),
@@ -649,6 +660,13 @@ class BatchWorker(BaseWorker):
             hook(self, arg)
         except Exception:  # an ops hook must not stop the jobs
             log.exception("worker %s: hook %r failed", self.name, hook)
+
+
+def _check_deadline(request: GenerationRequest) -> None:
+    if request.deadline is not None:
+        deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
+        if datetime.now(timezone.utc) > deadline:
+            raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
 
 
 def wait_for_redis(connection: Redis) -> None:
