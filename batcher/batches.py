@@ -39,7 +39,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from redis import Redis
-from redis.commands.core import Script
 from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
@@ -70,12 +69,16 @@ OUTPUT_KIND, ERROR_KIND = "o", "e"  # the first character of a stored line says 
 # ----- Lua: each runs atomically; `settle` ends the batch once every line is written -----
 _SETTLE = """
 local function settle(batch, now)
-  local h = redis.call('HMGET', batch, 'status', 'total', 'completed', 'failed')
+  local h = redis.call('HMGET', batch, 'status', 'total', 'completed', 'failed', 'expired_lines')
   local status, total = h[1], tonumber(h[2])
   if not status or not total or tonumber(h[3] or '0') + tonumber(h[4] or '0') < total then
     return status
   end
   if status == 'in_progress' then
+    if tonumber(h[5] or '0') > 0 then  -- workers expired its last jobs before anyone read the batch
+      redis.call('HSET', batch, 'status', 'expired', 'expired_at', now, 'swept', '1')
+      return 'expired'
+    end
     if total == 0 then
       redis.call('HSET', batch, 'status', 'failed', 'failed_at', now)
       return 'failed'
@@ -96,7 +99,8 @@ local batch, lines, batch_feed, queue_feed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local index, kind, line, expired_line, now, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local status = ARGV[8]
 local h = redis.call('HMGET', batch, 'status', 'expires_at')
-if h[1] and kind == 'failed' and expired_line ~= '' and tonumber(now) >= tonumber(h[2]) then
+local expired = h[1] and kind == 'failed' and expired_line ~= '' and tonumber(now) >= tonumber(h[2])
+if expired then
   line, status = expired_line, 'expired'
 end
 local entry = {'job_id', ARGV[7], 'status', status, 'custom_id', ARGV[9], 'batch_id', ARGV[10],
@@ -105,6 +109,7 @@ if h[1] then
   if redis.call('HSETNX', lines, index, line) == 0 then return 0 end
   local ttl = redis.call('PTTL', batch)
   redis.call('HINCRBY', batch, kind, 1)
+  if expired then redis.call('HINCRBY', batch, 'expired_lines', 1) end
   redis.call('XADD', batch_feed, 'MAXLEN', '~', maxlen, '*', unpack(entry))
   if ttl > 0 then
     redis.call('PEXPIRE', lines, ttl)
@@ -295,9 +300,9 @@ def record_job_end(pipe, *, job_id: str, queue: str, status: str, request: Gener
                        request_id=job_id))
     expired = ERROR_KIND + json.dumps(error_line(item.custom_id, EXPIRED_MESSAGE, "batch_expired",
                                                  request_id=job_id)) if kind == "failed" else ""
-    _script(_RECORD)(keys=[keys.batch_key(item.id), keys.batch_lines_key(item.id),
-                                 keys.batch_feed_key(item.id), keys.queue_feed_key(base)],
-                           args=[item.index, kind, line, expired, now, FEED_MAXLEN, *entry], client=pipe)
+    _eval(pipe, _RECORD, [keys.batch_key(item.id), keys.batch_lines_key(item.id), keys.batch_feed_key(item.id),
+                          keys.queue_feed_key(base)],
+          [item.index, kind, line, expired, now, FEED_MAXLEN, *entry])
 
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
@@ -305,14 +310,11 @@ CANCELLED_MESSAGE = "The batch was cancelled before this request finished."
 SWEEPS = {"cancelled": ("batch_cancelled", CANCELLED_MESSAGE), "expired": ("batch_expired", EXPIRED_MESSAGE)}
 
 
-def _script(source: str) -> Script:
-    """One Script object per Lua source; redis-py loads it into Redis on first use (in a pipeline too)."""
-    if source not in _SCRIPTS:
-        _SCRIPTS[source] = Script(None, source.encode())  # bytes: no client needed to compute its sha
-    return _SCRIPTS[source]
-
-
-_SCRIPTS: dict[str, Script] = {}
+def _eval(client, source: str, keys_: list[str], args: list):
+    """Run a script with EVAL: on a pipeline it joins the transaction with no extra round trip (EVALSHA
+    through redis-py's Script would first ask SCRIPT EXISTS), and it never meets NOSCRIPT after a Redis
+    restart. Redis caches the compiled script; each call sends its text."""
+    return client.eval(source, len(keys_), *keys_, *args)
 
 
 class BatchStore:
@@ -334,9 +336,9 @@ class BatchStore:
             raise BatchInputError(f"the retention ({retention_s} s) must outlast the completion window ({window_s} s)")
         metadata = check_metadata(metadata)
         batch_id = keys.check_batch_id(batch_id or new_batch_id())
-        now = time.time()
+        now = time.time()  # expires_at is whole seconds, as the Batch object shows it and jobs carry it
         fields = {"id": batch_id, "endpoint": endpoint, "completion_window": completion_window,
-                  "status": "validating", "created_at": now, "expires_at": now + window_s, "queue": keys.check_queue(queue),
+                  "status": "validating", "created_at": now, "expires_at": int(now) + window_s, "queue": keys.check_queue(queue),
                   "total": 0, "completed": 0, "failed": 0, "queues": ""}
         for name, value in (("model", model), ("owner", owner and keys.check_owner(owner)),
                             ("input_file_id", input_file_id), ("metadata", metadata and json.dumps(metadata))):
@@ -366,8 +368,7 @@ class BatchStore:
 
     def start(self, batch_id: str) -> Batch:
         """Validation is over: the batch runs, or ends at once if every line has ended already."""
-        _script(_START)(keys=[keys.batch_key(batch_id)], args=[time.time()],
-                                         client=self.connection)
+        _eval(self.connection, _START, [keys.batch_key(batch_id)], [time.time()])
         return self.get(batch_id, observe=False)
 
     def fail(self, batch_id: str, code: str, message: str) -> Batch:
@@ -439,17 +440,15 @@ class BatchStore:
         """Cancel the batch's queued jobs and stop its running ones; what finished stays downloadable."""
         batch = self.get(batch_id, owner)
         if batch.status in ACTIVE:
-            ended = _script(_END)(keys=[keys.batch_key(batch_id)],
-                                                   args=["cancelling", "cancelling_at", time.time()],
-                                                   client=self.connection)
+            ended = _eval(self.connection, _END, [keys.batch_key(batch_id)],
+                          ["cancelling", "cancelling_at", time.time()])
             if ended:
                 self._sweep(batch_id, "cancelled")
         return self.get(batch_id, owner, observe=False)
 
     def _end(self, batch_id: str, status: str) -> None:
         """Move an active batch to `status` (expired, failed) and sweep its jobs."""
-        moved = _script(_END)(keys=[keys.batch_key(batch_id)],
-                                               args=[status, f"{status}_at", time.time()], client=self.connection)
+        moved = _eval(self.connection, _END, [keys.batch_key(batch_id)], [status, f"{status}_at", time.time()])
         if moved:
             self._sweep(batch_id, status)
 
@@ -468,8 +467,7 @@ class BatchStore:
         prefix = keys.batch_job_prefix(batch_id)
         queues = [Queue(name, connection=self.connection, serializer=JSONSerializer) for name in rq_queues]
         for queue in queues:
-            taken = _script(_TAKE_PREFIXED)(keys=[queue.key], args=[prefix],
-                                                             client=self.connection)
+            taken = _eval(self.connection, _TAKE_PREFIXED, [queue.key], [prefix])
             for start in range(0, len(taken), CHUNK):
                 with self.connection.pipeline(transaction=False) as pipe:
                     for job_id in taken[start:start + CHUNK]:
@@ -486,8 +484,7 @@ class BatchStore:
                     self._write_line(pipe, batch_id, index, custom_id, code, message, ended_as, now)
                 pipe.execute()
         self._stop_running(queues, prefix)
-        _script(_SETTLE_ONLY)(keys=[keys.batch_key(batch_id)], args=[time.time()],
-                                               client=self.connection)
+        _eval(self.connection, _SETTLE_ONLY, [keys.batch_key(batch_id)], [time.time()])
 
     def _stop_running(self, queues: list[Queue], prefix: str) -> None:
         """Send RQ's stop-job command to each running job of the batch; watch for a moment for jobs a worker
@@ -516,10 +513,9 @@ class BatchStore:
         job_id = keys.batch_job_id(batch_id, index)
         line = ERROR_KIND + json.dumps(error_line(custom_id, message, code, request_id=job_id))
         base = self._base_queue(batch_id)
-        _script(_RECORD)(keys=[keys.batch_key(batch_id), keys.batch_lines_key(batch_id),
-                                     keys.batch_feed_key(batch_id), keys.queue_feed_key(base)],
-                               args=[index, "failed", line, "", now, FEED_MAXLEN, job_id, status,
-                                     custom_id or "", batch_id, base, ""], client=pipe)
+        _eval(pipe, _RECORD, [keys.batch_key(batch_id), keys.batch_lines_key(batch_id), keys.batch_feed_key(batch_id),
+                              keys.queue_feed_key(base)],
+              [index, "failed", line, "", now, FEED_MAXLEN, job_id, status, custom_id or "", batch_id, base, ""])
 
     def _base_queue(self, batch_id: str) -> str:
         """The base queue a batch was created on (it never changes: read once per store)."""

@@ -234,3 +234,13 @@ def test_the_batch_commands(fake_redis, monkeypatch, tmp_path):
     assert bad_window.exit_code == 1 and "completion_window" in bad_window.output
     missing = run(main, ["batch", "create", str(tmp_path / "nope.jsonl")])
     assert missing.exit_code == 2 and "No such file" in missing.output
+
+
+def test_a_batch_whose_last_jobs_workers_expired_ends_expired_without_a_reader(fake_redis):
+    client = Client(fake_redis)
+    batch = client.create_batch(batch_lines(2), completion_window="1s")
+    finish(client, keys.batch_job_id(batch.id, 0))
+    time.sleep(1.1)
+    finish(client, keys.batch_job_id(batch.id, 1), "failed", reason="the deadline passed while the job was queued")
+    raw = fake_redis.hgetall(keys.batch_key(batch.id))
+    assert raw[b"status"] == b"expired" and raw[b"expired_at"]
