@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 from redis import Redis
+from redis.connection import Connection
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -57,9 +58,35 @@ def _commands(connection: Redis) -> int:
     return int(connection.info("stats")["total_commands_processed"])
 
 
+class _RoundTrips:
+    """Counts the requests sent to Redis (a pipeline's whole transaction is one)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._send = Connection.send_packed_command
+
+    def __enter__(self) -> _RoundTrips:
+        def counting(connection, command, check_health=True):
+            self.count += 1
+            return self._send(connection, command, check_health)
+
+        Connection.send_packed_command = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Connection.send_packed_command = self._send
+
+
 def _record_all(connection: Redis, batch_id: str, requests: list[GenerationRequest], result: GenerationResult,
-                with_batch: bool) -> float:
-    """Record every job's end, one transaction per job as the worker does; return the seconds taken."""
+                with_batch: bool) -> tuple[float, int]:
+    """Record every job's end, one transaction per job as the worker does; return (seconds, round trips)."""
+    with _RoundTrips() as trips:
+        seconds = _record_each(connection, batch_id, requests, result, with_batch)
+    return seconds, trips.count
+
+
+def _record_each(connection: Redis, batch_id: str, requests: list[GenerationRequest], result: GenerationResult,
+                 with_batch: bool) -> float:
     started = time.perf_counter()
     for i, request in enumerate(requests):
         job_id = keys.batch_job_id(batch_id, i)
@@ -102,12 +129,12 @@ def run(lines: int) -> dict:
                                   finish_reason="length", usage=Usage(prompt_tokens=60, completion_tokens=RESULT_TOKENS),
                                   model="smollm2")
         connection.config_resetstat()
-        plain_s = _record_all(connection, batch.id, requests, result, with_batch=False)
+        plain_s, plain_trips = _record_all(connection, batch.id, requests, result, with_batch=False)
         before_memory = _used_memory(connection)
-        counted_s = _record_all(connection, batch.id, requests, result, with_batch=True)
+        counted_s, counted_trips = _record_all(connection, batch.id, requests, result, with_batch=True)
         lines_memory = _used_memory(connection) - before_memory  # minus the plain results, written already
         stats = connection.info("commandstats")
-        evalsha = stats.get("cmdstat_evalsha", {})
+        script = stats.get("cmdstat_eval", {})
         ended = client.batch(batch.id)
         started = time.perf_counter()
         output_bytes = sum(len(line) for line in client.batch_output(batch.id))
@@ -119,8 +146,8 @@ def run(lines: int) -> dict:
             "queued_bytes_per_request": round(queued_memory / lines),
             "record_plain_us_per_job": round(plain_s / lines * 1e6, 1),
             "record_with_counts_us_per_job": round(counted_s / lines * 1e6, 1),
-            "counts_extra_round_trips_per_job": 0,
-            "counts_redis_us_per_job": evalsha.get("usec_per_call"),
+            "round_trips_per_job_plain": plain_trips / lines, "round_trips_per_job_with_counts": counted_trips / lines,
+            "counts_redis_us_per_job": script.get("usec_per_call"),
             "stored_line_bytes_per_request": round(lines_memory / lines),
             "status": ended.status, "completed": ended.request_counts.completed,
             "output_mib": round(output_bytes / 2**20, 2), "render_output_s": round(render_s, 3),
