@@ -280,6 +280,8 @@ def record_job_end(pipe, *, job_id: str, queue: str, status: str, request: Gener
     nothing readable). A job recorded twice changes nothing the second time."""
     now = time.time() if now is None else now
     item = request.batch if request is not None else None
+    if item is not None and job_id != keys.batch_job_id(item.id, item.index):
+        item = None  # a batch's jobs are created by create_batch with derived ids: any other job is no part of it
     finish_reason = result.finish_reason if result is not None else ""
     base = keys.base_queue(queue)
     entry = (job_id, status, "" if item is None else item.custom_id or "", "" if item is None else item.id,
@@ -424,11 +426,10 @@ class BatchStore:
                 self.connection.zrem(index, *gone)
         return found[:limit]
 
-    def lines(self, batch_id: str, errors: bool = False) -> Iterator[str]:
+    def lines(self, batch: Batch, errors: bool = False) -> Iterator[str]:
         """The output file (or the error file) so far, one JSON line each, in input order."""
-        batch = self.get(batch_id)
         kind = ERROR_KIND if errors else OUTPUT_KIND
-        key = keys.batch_lines_key(batch_id)
+        key = keys.batch_lines_key(batch.id)
         total = batch.request_counts.total
         for start in range(0, total, CHUNK):
             for value in self.connection.hmget(key, list(range(start, min(start + CHUNK, total)))):

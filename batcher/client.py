@@ -379,8 +379,7 @@ class Client:
     def batch_output(self, batch_id: str, errors: bool = False, owner: str | None = None) -> Iterator[str]:
         """The batch's output file (or error file) as JSON lines, in input order, as far as it has run."""
         store = BatchStore(self.connection)
-        store.get(batch_id, owner)  # a missing batch raises now, not at the first line
-        return store.lines(batch_id, errors)
+        return store.lines(store.get(batch_id, owner), errors)  # a missing batch raises now, not at the first line
 
     # ----- the completion feed and the models -----
     def completions(self, group: str, consumer: str, *, batch_id: str | None = None,
@@ -390,6 +389,8 @@ class Client:
         Each entry goes to one consumer of `group` and is acknowledged when the loop asks for the next
         one; an entry a dead consumer held for `claim_idle_s` is delivered again to a live one. With
         `timeout`, the iteration ends once nothing arrives for that long."""
+        if batch_id is not None:
+            self.batch(batch_id)  # no consumer group (and no stream) for a batch that does not exist
         key = keys.batch_feed_key(batch_id) if batch_id is not None else keys.queue_feed_key(self.queue)
         return follow(self.connection, key, group, consumer, claim_idle_s=claim_idle_s, timeout=timeout)
 

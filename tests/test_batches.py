@@ -244,3 +244,12 @@ def test_a_batch_whose_last_jobs_workers_expired_ends_expired_without_a_reader(f
     finish(client, keys.batch_job_id(batch.id, 1), "failed", reason="the deadline passed while the job was queued")
     raw = fake_redis.hgetall(keys.batch_key(batch.id))
     assert raw[b"status"] == b"expired" and raw[b"expired_at"]
+
+
+def test_a_job_that_only_claims_to_be_in_a_batch_changes_nothing_in_it(fake_redis):
+    client = Client(fake_redis)
+    batch = client.create_batch(batch_lines(2))
+    forged = client.submit({"prompt": "x", "batch": {"id": batch.id, "index": 1, "custom_id": "c1"}})
+    finish(client, forged)
+    assert client.batch(batch.id).request_counts.completed == 0
+    assert fake_redis.xlen(keys.queue_feed_key(keys.DEFAULT_QUEUE)) == 1  # it is still a finished job of the queue
