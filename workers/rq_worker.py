@@ -120,8 +120,8 @@ class BatchWorker(BaseWorker):
     `queue_depths` holds the queue lengths as last read."""
 
     def __init__(self, queues: list[str], engine: Engine, *, connection: Redis, name: str | None = None,
-                 model_name: str | None = None, lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None, on_step: StepHook | None = None,
-                 on_job_end: JobEndHook | None = None) -> None:
+                 model_name: str | None = None, lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None,
+                 on_step: StepHook | None = None, on_job_end: JobEndHook | None = None) -> None:
         if lease_s < 1:
             raise ValueError(f"lease_s must be at least 1 second, got {lease_s}")
         # redis-py re-sends a command (a whole MULTI pipeline too) whose reply was lost, so a write that did
