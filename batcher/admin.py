@@ -5,7 +5,6 @@ Each function returns plain data; `batcher/cli/admin_commands.py` renders it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 from redis import Redis
@@ -16,39 +15,15 @@ from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended, resume, suspend
 
 from batcher import keys
+from batcher.worker_stats import WorkerStats
 
 __all__ = ["WorkerStats", "list_workers", "drain", "suspend_all", "resume_all", "queue_overview",
            "requeue_failed", "is_suspended"]
 
 
-@dataclass(frozen=True)
-class WorkerStats:
-    name: str
-    host: str
-    queues: str
-    model: str
-    state: str
-    in_flight: int
-    free_slots: int
-    kv_usage: float
-    tokens_per_s: float
-    last_heartbeat: float
-
-    @property
-    def heartbeat_age_s(self) -> float:
-        return max(0.0, time.time() - self.last_heartbeat)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def list_workers(connection: Redis) -> list[WorkerStats]:
     """Live workers, by name. A worker whose stats expired (it died) is dropped from the index."""
-    names = sorted(_text(n) for n in connection.smembers(keys.WORKERS_SET))
+    names = sorted(n.decode() if isinstance(n, bytes) else n for n in connection.smembers(keys.WORKERS_SET))
     with connection.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.hgetall(keys.worker_stats_key(name))
@@ -58,11 +33,7 @@ def list_workers(connection: Redis) -> list[WorkerStats]:
         if not raw:
             gone.append(name)
             continue
-        h = {_text(k): _text(v) for k, v in raw.items()}
-        live.append(WorkerStats(name=name, host=h["host"], queues=h["queues"], model=h["model"], state=h["state"],
-                                in_flight=int(h["in_flight"]), free_slots=int(h["free_slots"]),
-                                kv_usage=float(h["kv_usage"]), tokens_per_s=float(h["tokens_per_s"]),
-                                last_heartbeat=float(h["last_heartbeat"])))
+        live.append(WorkerStats.from_hash(raw))
     if gone:
         connection.srem(keys.WORKERS_SET, *gone)
     return live

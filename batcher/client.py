@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import os
 import time
 from collections import Counter
@@ -17,8 +16,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
@@ -33,6 +30,7 @@ from batcher.batches import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDO
 from batcher.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
 from batcher.jobs import JOB_FUNCTION, job_argument
 from batcher.openai_batch import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
+from batcher.redis_retry import retry_while_unreachable
 from batcher.schema import (BatchItem, ChatMessage, GenerationRequest, GenerationResult, SamplingParams,
                             StreamEvent)
 
@@ -53,12 +51,6 @@ STOP_WAIT_S = 2.0  # how long cancel waits for a just-dequeued job to show as st
 STOP_POLL_S = 0.05
 DESCRIPTION_CHARS = 60
 BATCH_CHUNK = 1000  # batch lines per enqueue pipeline: a big file never sits in memory whole
-# While waiting (result, stream), an unreachable Redis is retried from the first delay, doubling up to the
-# last, until the caller's timeout; redis-py has already retried each command for a few seconds by then.
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
-RECONNECT_BACKOFF_S = (0.5, 5.0)
-
-log = logging.getLogger(__name__)
 
 TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
 
@@ -188,10 +180,11 @@ class Client:
             wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if wait <= 0:
                 raise TimeoutError(f"job {job_id}: no end of stream within {timeout} s")
-            reply = self._retrying(deadline, self.connection.xread, {key: last_id}, block=max(1, int(wait * 1000)))
+            reply = retry_while_unreachable(self.connection.xread, {key: last_id}, block=max(1, int(wait * 1000)),
+                                            deadline=deadline)
             if not reply:
-                end = self._retrying(deadline, self._inferred_end, job_id)
-                if end is not None and not self._retrying(deadline, self.connection.xread, {key: last_id}):
+                end = retry_while_unreachable(self._inferred_end, job_id, deadline=deadline)
+                if end is not None and not retry_while_unreachable(self.connection.xread, {key: last_id}, deadline=deadline):
                     yield end
                     return
                 continue
@@ -211,9 +204,9 @@ class Client:
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
         """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = self._retrying(deadline, self._fetch, job_id)
+        job = retry_while_unreachable(self._fetch, job_id, deadline=deadline)
         while True:
-            result = self._retrying(deadline, self._wait_for_result, job, deadline, timeout)
+            result = retry_while_unreachable(self._wait_for_result, job, deadline, timeout, deadline=deadline)
             if result is not None:
                 return result
 
@@ -229,19 +222,6 @@ class Client:
             raise TimeoutError(f"job {job.id} is still {status.value} after {timeout} s")
         self.connection.xread({results_key: newest[0][0] if newest else "0-0"}, block=max(1, int(wait * 1000)))
         return None
-
-    def _retrying(self, deadline: float | None, call, *args, **kwargs):
-        """`call(...)`, retried with backoff while Redis is unreachable, until `deadline` (time.monotonic())."""
-        delay = RECONNECT_BACKOFF_S[0]
-        while True:
-            try:
-                return call(*args, **kwargs)
-            except REDIS_ERRORS as exc:
-                if deadline is not None and time.monotonic() + delay > deadline:
-                    raise
-                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
-                time.sleep(delay)
-                delay = min(RECONNECT_BACKOFF_S[1], 2 * delay)
 
     # ----- control -----
     def cancel(self, job_id: str) -> bool:

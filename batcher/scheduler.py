@@ -1,5 +1,9 @@
 """Iteration-level scheduling: each step decides `{sequence: tokens to compute}` (pure Python).
 
+`schedule()` decides what the next forward computes; `update()` takes what it sampled and advances
+every sequence (computed tokens, new tokens, timestamps, EOS and length stops). The engine between the
+two only executes, so all sequence state changes here.
+
 Continuous policy, every step:
   1. running decodes take one token each, then running prefills take their next prompt chunk;
   2. waiting sequences are admitted in FIFO order while slots, the token budget and KV blocks allow,
@@ -85,14 +89,25 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens.values())
 
+    def samples(self, seq: Sequence) -> bool:
+        """Whether `seq` samples a token this step: its prompt (and output so far) is then fully computed."""
+        return seq.num_computed_tokens + self.num_tokens[seq] == seq.num_tokens
+
     def __bool__(self) -> bool:
         return bool(self.num_tokens)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+    """Owns every sequence's state: `add`, then `schedule()` and `update()` once per step, `finish` to end one early.
+
+    `eos_token_ids` end a sequence (unless it ignores EOS); `max_model_len` caps prompt plus output."""
+
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, eos_token_ids: frozenset[int] = frozenset(),
+                 max_model_len: int | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -115,6 +130,33 @@ class Scheduler:
         self.allocator.release(seq.block_table)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def update(self, batch: ScheduledBatch, sampled: dict[Sequence, int], now: float | None = None) -> list[Sequence]:
+        """Advance the sequences of `batch` after its forward: every one computed its scheduled tokens, and
+        each one in `sampled` got its next token at `now`. Return the sequences this finished (EOS, length)."""
+        now = time.monotonic() if now is None else now
+        for seq, n in batch.num_tokens.items():
+            seq.num_computed_tokens += n
+        finished = []
+        for seq, token in sampled.items():
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.eos_token_ids and not seq.sampling.ignore_eos:
+            return "stop"
+        if seq.num_output_tokens >= seq.sampling.max_tokens:
+            return "length"
+        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def schedule(self) -> ScheduledBatch:
         static = self.config.policy == "static"

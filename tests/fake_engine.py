@@ -1,4 +1,4 @@
-"""A stand-in for workers.engine.Engine with the same add/step/abort API and no model.
+"""A stand-in for workers.engine.Engine (it satisfies workers.engine_api.EngineProtocol) with no model.
 
 Each request generates one token per step: token i of the output is `FIRST_TOKEN + i`, whose text is
 one letter. A prompt containing "boom" fails in its first step, the way the engine reports an
@@ -7,11 +7,13 @@ exception inside one request's forward; a prompt of "too long" is refused by `ad
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
+from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest
-from workers.engine import RequestError, RequestOutput
+from workers.engine_api import RequestError, RequestOutput, StepStats
 
 FIRST_TOKEN = 65  # "A"
 
@@ -19,8 +21,11 @@ FIRST_TOKEN = 65  # "A"
 @dataclass
 class _Request:
     request: GenerationRequest
-    num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
+    seq: Sequence
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.output_token_ids
 
 
 class FakeEngine:
@@ -28,18 +33,21 @@ class FakeEngine:
         self.loaded = SimpleNamespace(name="fake-model")
         self.max_num_seqs = max_num_seqs
         self.step_index = 0
+        self.last_step: StepStats | None = None
         self.added: list[str] = []
         self._requests: dict[str, _Request] = {}
 
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> _Request:
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         if request.prompt == "too long":
             raise RequestError("the prompt has 9999 tokens; this model's context is 512")
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         prompt_len = len(request.prompt_token_ids or request.prompt or "x")
-        self._requests[request_id] = _Request(request, prompt_len)
+        seq = Sequence(request_id, [0] * prompt_len, request.sampling,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        self._requests[request_id] = _Request(request, seq)
         self.added.append(request_id)
-        return self._requests[request_id]
+        return seq
 
     def has_work(self) -> bool:
         return bool(self._requests)
@@ -47,6 +55,14 @@ class FakeEngine:
     @property
     def free_slots(self) -> int:
         return max(0, self.max_num_seqs - len(self._requests))
+
+    @property
+    def num_running(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -60,11 +76,15 @@ class FakeEngine:
                 outputs.append(self._output(request_id, req, [], error="RuntimeError: boom in the forward"))
                 continue
             token = FIRST_TOKEN + len(req.token_ids)
-            req.token_ids.append(token)
+            req.seq.token_ids.append(token)
+            req.seq.first_token_time = req.seq.first_token_time or time.monotonic()
+            req.seq.last_token_time = time.monotonic()
             reason = "length" if len(req.token_ids) >= req.request.sampling.max_tokens else None
             if reason:
                 del self._requests[request_id]
             outputs.append(self._output(request_id, req, [token], finish_reason=reason))
+        self.last_step = StepStats(step=self.step_index, num_seqs=len(outputs), num_tokens=len(outputs),
+                                   num_prefill_tokens=0, num_preempted=0, duration_s=0.0)
         self.step_index += 1
         return outputs
 
@@ -76,7 +96,7 @@ class FakeEngine:
     def _output(request_id, req, new, finish_reason=None, error=None) -> RequestOutput:
         return RequestOutput(request_id=request_id, new_token_ids=new, delta_text="".join(map(chr, new)),
                              text="".join(map(chr, req.token_ids)), token_ids=list(req.token_ids),
-                             num_prompt_tokens=req.num_prompt_tokens, finish_reason=finish_reason, error=error)
+                             num_prompt_tokens=req.seq.num_prompt_tokens, finish_reason=finish_reason, error=error)
 
 
 def expected_text(max_tokens: int) -> str:

@@ -9,9 +9,10 @@ import os
 import signal
 import time
 
-import fakeredis
 import pytest
 from redis import Redis
+
+from workers.embedded_redis import embedded_redis
 
 REAL_REDIS = "redis://127.0.0.1:6379"
 TEST_DBS = range(15, 8, -1)  # RQ's keys have no prefix, so the tests take a whole database
@@ -21,10 +22,8 @@ CLAIM_TTL_S = 3600
 
 @pytest.fixture(name="fake_redis")
 def fake_redis_fixture() -> Redis:
-    """A fresh fakeredis server. It has no INFO command, so RQ's cached server version is set here."""
-    connection = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    setattr(connection, "__rq_redis_server_version", (7, 2, 0))
-    return connection
+    """A fresh fakeredis server (the demo's embedded Redis)."""
+    return embedded_redis()
 
 
 @pytest.fixture(name="keep_signal_handlers")

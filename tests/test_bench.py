@@ -7,11 +7,11 @@ from click.testing import CliRunner
 
 from batcher.cli import main
 from batcher.config import EngineConfig
-from batcher.workload import WorkloadRequest
-from workers.bench import run_bench
-from workers.bench_report import ModelCost, first_difference, percentiles
 from tests.jobs_support import claim_database, release_database
-from workers.bench_run import SYSTEMS
+from workers.bench.report import ModelCost, first_difference, percentiles
+from workers.bench.run import run_bench
+from workers.bench.system import ALL_SYSTEMS, System
+from workers.bench.workload import WorkloadRequest
 
 WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
             for i, (prompt_len, max_tokens) in enumerate([(9, 3), (21, 12), (5, 6), (14, 2), (30, 5)])]
@@ -24,14 +24,15 @@ def report(tiny_model_dir):
                           block_size=4, kv_cache_bytes=1 << 20)
     url, connection = claim_database()
     try:
-        yield run_bench(WORKLOAD, "tiny", list(SYSTEMS), "batcher:static", config, threads=1, redis_url=url)
+        yield run_bench(WORKLOAD, "tiny", [System.parse(s) for s in ALL_SYSTEMS], System.parse("batcher:static"),
+                        config, threads=1, redis_url=url)
         assert not connection.keys("batcher:stream:*"), "the @redis runs left their streams behind"
     finally:
         release_database(connection)
 
 
 def test_every_system_generates_the_same_greedy_tokens(report):
-    assert [s.system for s in report.systems] == list(SYSTEMS)
+    assert [s.system for s in report.systems] == list(ALL_SYSTEMS)
     for s in report.systems:
         assert s.generated_tokens == sum(w.max_tokens for w in WORKLOAD), s.system
         assert s.mismatched_requests == [], s.system
@@ -68,6 +69,17 @@ def test_model_cost_counts_weights_and_attention(tiny_model_dir):
     assert cost.request_flops(1, 1) == 2 * cost.matmul_params + 2 * cost.head_params + cost.attention_flops_per_key
 
 
+def test_systems_are_named_as_on_the_command_line():
+    for name in ALL_SYSTEMS:
+        assert System.parse(name).name == name
+    assert System.parse("batcher:static@redis") == System("batcher", "static", through_redis=True)
+    assert System.parse("batcher:continuous").via_redis().name == "batcher:continuous@redis"
+    assert System.parse("hf-cb").via_redis() == System("hf-cb")
+    for bad in ("vllm", "batcher:eager", "hf-cb@redis", "batcher:static@redis@redis"):
+        with pytest.raises(ValueError, match=f"unknown {bad}"):
+            System.parse(bad)
+
+
 def test_percentiles():
     assert percentiles([]) == {"p50": None, "p99": None, "max": None}
     assert percentiles([3.0, 1.0, 2.0]) == {"p50": 2.0, "p99": 3.0, "max": 3.0}
@@ -98,7 +110,7 @@ def test_cli_refuses_an_unknown_system_or_baseline(tmp_path):
 
 def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
     """Workloads generate exactly max_tokens: the model's default EOS must not end a row early."""
-    from workers.bench_hf import load_hf_model, run_hf_naive
+    from workers.bench.peers import load_hf_model, run_hf_naive
 
     model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama"))))
     first = run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"]

@@ -11,9 +11,7 @@ import json
 import re
 import shutil
 import subprocess
-from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -21,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from rq import Queue
 
 from batcher.keys import DEFAULT_QUEUE, priority_queue_names
+from tests.fake_engine import FakeEngine
 from workers.metrics import EngineMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,11 +298,8 @@ def test_prometheus_finds_workers_by_their_shared_dns_name(scrape_job, compose, 
 
 def exposed_metric_names() -> set[str]:
     """Every series name that workers/metrics.py exposes (with _total, _bucket, _sum, _count)."""
-    engine = SimpleNamespace(loaded=SimpleNamespace(name="m"),
-                             scheduler=SimpleNamespace(running=[], waiting=deque(),
-                                                       allocator=SimpleNamespace(usage=0.0)))
     registry = CollectorRegistry()
-    EngineMetrics(engine, registry).set_queue_depth(DEFAULT_QUEUE, 0)
+    EngineMetrics(FakeEngine(), registry).set_queue_depth(DEFAULT_QUEUE, 0)
     return {s.name for family in registry.collect() for s in family.samples}
 
 

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 CORE_MODULES = ["batcher", "batcher.schema", "batcher.config", "batcher.scheduler", "batcher.blocks", "batcher.keys",
-                "batcher.jobs", "batcher.client",
-                "batcher.openai_batch", "batcher.workload", "batcher.cli"]
+                "batcher.jobs", "batcher.client", "batcher.admin", "batcher.redis_retry", "batcher.worker_stats",
+                "batcher.openai_batch", "batcher.cli"]
 
 
 def test_core_imports_without_torch():

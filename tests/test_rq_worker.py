@@ -286,7 +286,7 @@ def test_hooks_give_an_ops_layer_every_sequence_step_and_end(fake_redis):
     ids = Client(fake_redis, queue=Q).submit_many([request(max_tokens=3), request(max_tokens=1),
                                                   request(prompt="too long")])
     added, steps, ends = [], [], []
-    make_worker(fake_redis, on_added=lambda w, seq: added.append(seq.request.sampling.max_tokens),
+    make_worker(fake_redis, on_added=lambda w, seq: added.append(seq.sampling.max_tokens),
                 on_step=lambda w, outs: steps.append((w.num_in_flight, len(outs), dict(w.queue_depths))),
                 on_job_end=lambda w, end: ends.append(end)).work(burst=True)
     assert added == [3, 1]

@@ -1,7 +1,7 @@
-"""The scheduler alone (pure Python): budgets, slots, chunking, preemption and the static baseline.
+"""The scheduler alone (pure Python): budgets, slots, chunking, preemption, stops and the static baseline.
 
-`simulate_step` stands in for the engine: it advances computed tokens and appends a token to every
-sequence whose prompt is fully computed, finishing it after `max_tokens`."""
+`simulate_step` drives the real `schedule()`/`update()` pair, standing in only for the forward: every
+sequence that samples this step draws token 7."""
 
 from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
@@ -18,14 +18,12 @@ def seq(rid, prompt_len, max_tokens=4):
     return Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
 
 
-def simulate_step(sched):
+TOKEN = 7
+
+
+def simulate_step(sched, token=TOKEN):
     batch = sched.schedule()
-    for s, n in batch.num_tokens.items():
-        s.num_computed_tokens += n
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append(7)
-            if s.num_output_tokens >= s.sampling.max_tokens:
-                sched.finish(s, "length")
+    sched.update(batch, {s: token for s in batch.num_tokens if batch.samples(s)})
     return batch
 
 
@@ -105,3 +103,36 @@ def test_free_slots_counts_running_and_waiting():
     simulate_step(sched)
     sched.add(seq("b", 4))
     assert sched.free_slots == 1
+
+
+def test_update_advances_sequences_and_stops_them_at_eos_length_or_the_context():
+    config = EngineConfig(block_size=4, num_blocks=100)
+    sched = Scheduler(config, BlockAllocator(100, 4), eos_token_ids=frozenset({2}), max_model_len=12)
+    eos, ignores_eos, capped = seq("eos", 4, max_tokens=50), seq("ignores", 4, max_tokens=3), seq("capped", 10, 50)
+    ignores_eos.sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    for s in (eos, ignores_eos, capped):
+        sched.add(s)
+    batch = sched.schedule()
+    assert sched.update(batch, {eos: 5, ignores_eos: 2, capped: 5}, now=1.0) == []
+    assert [s.num_computed_tokens for s in (eos, ignores_eos, capped)] == [4, 4, 10]
+    assert eos.first_token_time == eos.last_token_time == 1.0 and eos.output_token_ids == [5]
+    batch = sched.schedule()
+    assert batch.num_tokens == {eos: 1, ignores_eos: 1, capped: 1}
+    finished = sched.update(batch, {eos: 2, ignores_eos: 2, capped: 5}, now=2.0)
+    assert finished == [eos, capped]
+    assert (eos.finish_reason, capped.finish_reason) == ("stop", "length")  # EOS; prompt + output reached 12
+    assert eos.first_token_time == 1.0 and eos.last_token_time == 2.0 and eos.block_table == []
+    assert sched.running == [ignores_eos]
+    batch = sched.schedule()
+    assert sched.update(batch, {ignores_eos: 2}) == [ignores_eos] and ignores_eos.finish_reason == "length"
+    assert not sched.has_work() and sched.allocator.num_free == 100
+
+
+def test_a_chunk_that_does_not_end_the_prompt_samples_nothing():
+    sched = make(max_num_batched_tokens=4)
+    s = seq("long", 10)
+    sched.add(s)
+    batch = sched.schedule()
+    assert batch.num_tokens == {s: 4} and not batch.samples(s)
+    sched.update(batch, {})
+    assert s.num_computed_tokens == 4 and s.num_output_tokens == 0

@@ -21,7 +21,6 @@ from batcher.client import Client, JobFailed
 from batcher.config import EngineConfig
 from batcher.openai_batch import parse_batch_line
 from batcher.schema import GenerationRequest
-from workers.bench import warm_up
 from workers.engine import Engine
 from workers.rq_worker import BatchWorker
 
@@ -111,7 +110,7 @@ def _generated(results: dict) -> int:
 
 def run_demo(connection: Redis, engine: Engine, compare: bool) -> None:
     live = sys.stdout.isatty()
-    warm_up(engine)
+    engine.warm_up()
     click.echo(f"Summarising {len(sample_requests())} documents with {engine.loaded.name}, "
                f"{engine.config.max_num_seqs} slots, continuous batching:\n")
     results, wall = run_jobs(connection, engine, "demo", live)

@@ -1,8 +1,10 @@
-"""The engine: `add`, `step`, `abort`, `has_work`. It glues the scheduler, the model runner,
-the sampler and the detokenizer; it knows nothing of Redis.
+"""The engine: `add`, `step`, `abort`, `has_work` (`workers.engine_api.EngineProtocol`). It knows nothing
+of Redis and holds no sequence state of its own: each step is glue between the parts,
 
-Each `step()` runs one scheduling decision and one forward, and returns what changed for each
-request: new tokens and text, and a finish reason when the request is done.
+    tokenize (on add) -> Scheduler.schedule -> ModelRunner.execute -> Sampler.sample
+        -> Scheduler.update -> detokenize (and stop strings)
+
+and returns what changed for each request: new tokens and text, and a finish reason when it is done.
 """
 
 from __future__ import annotations
@@ -16,58 +18,18 @@ import torch
 from batcher.blocks import blocks_needed
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Scheduler, Sequence
-from batcher.schema import GenerationRequest, GenerationResult, Timings, Usage
+from batcher.schema import GenerationRequest, SamplingParams
 from workers.detokenize import IncrementalDetokenizer
+from workers.engine_api import RequestError, RequestOutput, StepStats
 from workers.models import LoadedModel
 from workers.runner import ModelRunner
 from workers.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (too long, bad token ids, no chat template...)."""
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request. `text` and `token_ids` are the totals so far."""
-
-    request_id: str
-    new_token_ids: list[int]
-    delta_text: str
-    text: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def to_result(self, timings: Timings | None = None, worker: str | None = None,
-                  model: str | None = None) -> GenerationResult:
-        """The wire-format result of a request that finished."""
-        return GenerationResult(
-            text=self.text,
-            token_ids=self.token_ids,
-            finish_reason=self.finish_reason,
-            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.token_ids)),
-            timings=timings or Timings(),
-            worker=worker,
-            model=model,
-        )
-
-
-@dataclass
-class StepStats:
-    step: int
-    num_seqs: int
-    num_tokens: int
-    num_prefill_tokens: int
-    num_preempted: int
-    duration_s: float
+# One tiny request run before serving or timing keeps first-call costs (allocations, lazy init) out of both.
+WARMUP_REQUEST = GenerationRequest(prompt_token_ids=[100] * 16, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+WARMUP_REQUEST_ID = "warmup"
 
 
 @dataclass
@@ -83,10 +45,10 @@ class Engine:
         self.loaded = loaded
         self.config = config
         self.runner = ModelRunner(loaded, config)
-        self.scheduler = Scheduler(config, self.runner.make_allocator())
-        self.sampler = Sampler(self.runner.device)
         limits = [v for v in (config.max_model_len, loaded.max_position_embeddings) if v]
         self.max_model_len = min(limits) if limits else 1 << 20
+        self.scheduler = Scheduler(config, self.runner.make_allocator(), loaded.eos_token_ids, self.max_model_len)
+        self.sampler = Sampler(self.runner.device)
         self.step_index = 0
         self.last_step: StepStats | None = None
         self._requests: dict[str, _Request] = {}
@@ -119,8 +81,18 @@ class Engine:
         return self.scheduler.allocator.usage
 
     @property
-    def num_requests(self) -> int:
-        return len(self._requests)
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def warm_up(self) -> None:
+        """Run one tiny request to the end, before serving or timing anything."""
+        self.add(WARMUP_REQUEST_ID, WARMUP_REQUEST)
+        while self.has_work():
+            self.step()
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
         """End a request now, keeping what it generated. None if the engine does not hold it."""
@@ -131,7 +103,7 @@ class Engine:
         return self._finish(req, reason)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; return an output for every request that changed."""
+        """Schedule, run one forward, sample, update; return an output for every request that changed."""
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
@@ -140,12 +112,12 @@ class Engine:
         for seq in batch.num_tokens:
             if seq.first_scheduled_step is None:
                 seq.first_scheduled_step = self.step_index
-        sampled = self._run(batch, outputs)
-        now = time.monotonic()
+        computed, sampled = self._run(batch, outputs)
+        finished = set(self.scheduler.update(computed, sampled))
         for seq, token in sampled.items():
             req = self._requests[seq.request_id]
             try:
-                outputs.append(self._accept(req, token, now))
+                outputs.append(self._accept(req, token, seq in finished))
             except Exception as exc:  # one request's post-processing must not take down the batch
                 log.exception("request %s failed after sampling", seq.request_id)
                 outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
@@ -190,50 +162,45 @@ class Engine:
             raise RequestError(f"the request may need {longest} tokens of KV cache; the whole cache holds "
                                f"{allocator.num_blocks * allocator.block_size}")
 
-    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> dict[Sequence, int]:
-        """Run the batch; if the forward raises, rerun each sequence alone and fail only the culprits."""
+    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> tuple[ScheduledBatch, dict[Sequence, int]]:
+        """Run the batch; if the forward raises, rerun each sequence alone and fail only the culprits.
+
+        Returns the part of the batch that was computed and the token each of its sampling sequences drew."""
         try:
-            return self._forward(batch)
+            return batch, self._forward(batch)
         except Exception as exc:
             if len(batch.num_tokens) == 1:
                 seq = next(iter(batch.num_tokens))
                 log.exception("request %s failed in the forward", seq.request_id)
                 outputs.append(self._fail(self._requests[seq.request_id], f"{type(exc).__name__}: {exc}"))
-                return {}
+                return ScheduledBatch(preempted=batch.preempted), {}
             log.warning("a batch of %d failed (%s); isolating the culprit", len(batch.num_tokens), exc)
-        sampled: dict[Sequence, int] = {}
+        computed, sampled = ScheduledBatch(preempted=batch.preempted), {}
         for seq, n in batch.num_tokens.items():
-            sampled.update(self._run(ScheduledBatch({seq: n}), outputs))
-        return sampled
+            part, part_sampled = self._run(ScheduledBatch({seq: n}), outputs)
+            computed.num_tokens.update(part.num_tokens)
+            sampled.update(part_sampled)
+        return computed, sampled
 
     @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         logits, seqs = self.runner.execute(batch)
-        tokens = self.sampler.sample(logits, seqs)
-        for seq, n in batch.num_tokens.items():
-            seq.num_computed_tokens += n
-        return dict(zip(seqs, tokens))
+        return dict(zip(seqs, self.sampler.sample(logits, seqs)))
 
-    def _accept(self, req: _Request, token: int, now: float) -> RequestOutput:
+    def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
+        """Detokenize the token the scheduler took; a stop string ends the request here."""
         seq = req.seq
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
         req.new_token_ids.append(token)
         req.delta_text += req.detokenizer.push(token)
-        reason = self._stop_reason(seq, token, req.detokenizer.stopped)
-        if reason:
+        if req.detokenizer.stopped:
+            if not finished:
+                self.scheduler.finish(seq, "stop")
+            seq.finish_reason, finished = "stop", True  # a stop string names the reason, even on the last token
+        if finished:
             req.delta_text += req.detokenizer.flush()
-            return self._finish(req, reason)
+            self._forget(req)
+            return self._emit(req, finish_reason=seq.finish_reason)
         return self._emit(req)
-
-    def _stop_reason(self, seq: Sequence, token: int, stop_string: bool) -> str | None:
-        if stop_string or (token in self.loaded.eos_token_ids and not seq.sampling.ignore_eos):
-            return "stop"
-        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _emit(self, req: _Request, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
         out = RequestOutput(
@@ -250,19 +217,20 @@ class Engine:
         return out
 
     def _finish(self, req: _Request, reason: str) -> RequestOutput:
-        self._release(req, reason)
+        self.scheduler.finish(req.seq, reason)
+        self._forget(req)
         return self._emit(req, finish_reason=reason)
 
     def _fail(self, req: _Request, error: str) -> RequestOutput:
-        self._release(req, "error")
+        self.scheduler.finish(req.seq, "error")
+        self._forget(req)
         return self._emit(req, error=error)
 
-    def _release(self, req: _Request, reason: str) -> None:
-        seq = req.seq
-        self.scheduler.finish(seq, reason)
-        seq.finished_step = self.step_index
-        self.sampler.forget(seq.request_id)
-        del self._requests[seq.request_id]
+    def _forget(self, req: _Request) -> None:
+        """Drop the engine's per-request helpers of a sequence the scheduler has finished."""
+        req.seq.finished_step = self.step_index
+        self.sampler.forget(req.seq.request_id)
+        del self._requests[req.seq.request_id]
 
 
 def build_engine(config: EngineConfig) -> Engine:

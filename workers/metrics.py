@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from http.server import HTTPServer
 
     from batcher.scheduler import Sequence
-    from workers.engine import Engine, RequestOutput
+    from workers.engine_api import EngineProtocol, RequestOutput
 
 
 # A request that ended in an error rather than with one of the schema's finish reasons.
@@ -61,7 +61,7 @@ class _Tracked:
 class EngineMetrics:
     """The metrics of one engine. One per process on the default registry; tests pass their own."""
 
-    def __init__(self, engine: Engine, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, engine: EngineProtocol, registry: CollectorRegistry | None = None) -> None:
         self.registry = REGISTRY if registry is None else registry
         self._engine = engine
         self._tracked: dict[str, _Tracked] = {}
@@ -77,13 +77,12 @@ class EngineMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, [MODEL_LABEL], buckets=buckets, registry=self.registry).labels(model)
 
-        scheduler = engine.scheduler
         gauge("batcher_num_requests_running", "Requests in the engine's running batch.").set_function(
-            lambda: len(scheduler.running))
+            lambda: engine.num_running)
         gauge("batcher_num_requests_waiting", "Requests in the engine, waiting for a slot or KV blocks.").set_function(
-            lambda: len(scheduler.waiting))
+            lambda: engine.num_waiting)
         gauge("batcher_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).").set_function(
-            lambda: scheduler.allocator.usage)
+            lambda: engine.kv_cache_usage)
         self._queue_depth = Gauge("batcher_queue_depth", "Jobs waiting in a Redis queue, as this worker last read it.",
                                   ["queue"], registry=self.registry)
 

@@ -10,7 +10,8 @@ from typing import Callable, Iterable
 
 from batcher.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
 from batcher.schema import Timings
-from workers.engine import Engine, RequestError
+from workers.engine import Engine
+from workers.engine_api import RequestError
 
 
 def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] = lambda: None) -> list[dict]:

@@ -102,7 +102,7 @@ class ModelRunner:
             if n > 1:
                 context = None if start == 0 else torch.tensor(self._slots(seq, 0, end), device=self.device)
                 spans.append(PrefillSpan(row, n, start, context))
-            if end == seq.num_tokens:
+            if batch.samples(seq):
                 sampling.append(seq)
                 last_rows.append(row + n - 1)
 

@@ -12,7 +12,7 @@ import click
 
 from batcher import admin, keys
 from batcher.cli import main
-from batcher.cli.job_commands import redis_url_option
+from batcher.cli.options import json_option, redis_url_option
 
 DRAIN_POLL_S = 0.5
 DEFAULT_DRAIN_TIMEOUT_S = 600
@@ -29,9 +29,6 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     return "\n".join(lines)
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
 @main.command()

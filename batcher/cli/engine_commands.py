@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from batcher.cli import main
-from batcher.cli.options import engine_options
+from batcher.cli.options import engine_options, redis_url_option
+from batcher.client import REDIS_URL_ENV
 from batcher.config import EngineConfig
 
 
@@ -40,13 +41,12 @@ def run(engine_config, input_path, output_path, print_texts):
 
 
 def _systems(ctx, param, value):
-    from workers.bench_run import SYSTEMS
+    from workers.bench.system import System
 
-    systems = [s.strip() for s in value.split(",") if s.strip()] if value else []
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        raise click.BadParameter(f"unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    return systems
+    try:
+        return [System.parse(s.strip()) for s in value.split(",") if s.strip()] if value else []
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @main.command()
@@ -58,8 +58,7 @@ def _systems(ctx, param, value):
               "through Redis and a worker. Default: batcher with --policy.")
 @click.option("--through", type=click.Choice(["engine", "redis"]), default="engine", show_default=True,
               help="redis: run the batcher systems as jobs through Redis and a worker (arrival times honoured).")
-@click.option("--redis-url", envvar="BATCHER_REDIS_URL", default="redis://localhost:6379/0", show_default=True,
-              help="The Redis of --through redis and of @redis systems.")
+@redis_url_option
 @click.option("--baseline", help="The system the ratios are against (default: the first one).")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
               help="torch CPU threads (set explicitly: on a shared CPU, threads fight).")
@@ -75,15 +74,19 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
     """
     import json
 
-    from batcher.workload import load_workload, workload_path
-    from workers.bench import run_bench
+    from workers.bench.run import run_bench
+    from workers.bench.system import System
+    from workers.bench.workload import load_workload, workload_path
 
-    systems = systems or [f"batcher:{engine_config.policy}"]
+    systems = systems or [System("batcher", engine_config.policy)]
     if through == "redis":
-        systems = [s + "@redis" if s in ("batcher:continuous", "batcher:static") else s for s in systems]
-    baseline = baseline or systems[0]
+        systems = [s.via_redis() for s in systems]
+    try:
+        baseline = System.parse(baseline) if baseline else systems[0]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--baseline") from None
     if baseline not in systems:
-        raise click.BadParameter(f"{baseline!r} is not among --systems", param_hint="--baseline")
+        raise click.BadParameter(f"{baseline} is not among --systems", param_hint="--baseline")
     items = load_workload(workload)
     report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads, redis_url)
     click.echo(report.table())
@@ -91,7 +94,7 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
         with open(json_path, "w") as f:
             json.dump(report.to_dict(), f, indent=1)
     if plot_path:
-        from workers.bench_plot import plot_report
+        from workers.bench.plot import plot_report
 
         plot_report(report, plot_path)
     if not report.all_agree:
@@ -102,7 +105,7 @@ DEMO_MAX_NUM_SEQS = 4  # fewer slots than jobs, so the jobs contend for slots as
 
 
 @main.command()
-@click.option("--redis-url", envvar="BATCHER_REDIS_URL", help="A real Redis; default: an embedded one.")
+@click.option("--redis-url", envvar=REDIS_URL_ENV, help="A real Redis; default: an embedded one.")
 @click.option("--model", default="smollm2", envvar="BATCHER_MODEL", show_default=True)
 @click.option("--max-num-seqs", type=click.IntRange(1), default=DEMO_MAX_NUM_SEQS, show_default=True)
 @click.option("--compare/--no-compare", default=True, show_default=True,
@@ -111,8 +114,8 @@ def demo(redis_url, model, max_num_seqs, compare):
     """Summarise the bundled documents through Redis and a worker, live, on the bundled model."""
     from batcher.client import connect
     from workers.demo import run_demo
+    from workers.embedded_redis import embedded_redis
     from workers.engine import build_engine
-    from workers.rq_worker import embedded_redis
 
     connection = connect(redis_url) if redis_url else embedded_redis()
     engine = build_engine(EngineConfig(model=model, max_num_seqs=max_num_seqs))

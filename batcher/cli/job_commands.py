@@ -9,15 +9,9 @@ import click
 
 from batcher import keys
 from batcher.cli import main
-from batcher.cli.options import engine_options
-from batcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from batcher.cli.options import engine_options, queue_option, redis_url_option
 from batcher.config import DEFAULT_METRICS_ADDR
 from batcher.jobs import DEFAULT_LEASE_S
-
-redis_url_option = click.option(
-    "--redis-url", default=DEFAULT_REDIS_URL, envvar=REDIS_URL_ENV, show_default=True,
-    help="redis://[:password@]host:port/db, or rediss:// for TLS.")
-queue_option = click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True, help="The queue to submit to.")
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Options shared by commands that run an engine, each readable from a BATCHER_* variable."""
+"""Options shared by several commands, each readable from a BATCHER_* variable."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import functools
 import click
 
 from batcher import config as c
+from batcher import keys
+from batcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
+
+redis_url_option = click.option(
+    "--redis-url", default=DEFAULT_REDIS_URL, envvar=REDIS_URL_ENV, show_default=True,
+    help="redis://[:password@]host:port/db, or rediss:// for TLS.")
+queue_option = click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True, help="The queue to submit to.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
 def engine_options(func):

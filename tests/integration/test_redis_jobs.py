@@ -22,7 +22,8 @@ from batcher.client import Client, JobFailed
 from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
-from workers.engine import RequestError, build_engine
+from workers.engine import build_engine
+from workers.engine_api import RequestError
 from workers.rq_worker import PICKLED_JOB_REASON, BatchWorker
 
 pytestmark = [pytest.mark.usefixtures("keep_signal_handlers"), pytest.mark.timeout(300)]

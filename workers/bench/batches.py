@@ -1,6 +1,6 @@
 """What a large batch costs Redis: submit time, memory per queued request, and the cost of the counts.
 
-    python -m workers.bench_batches --lines 10000
+    python -m workers.bench.batches --lines 10000
 
 Runs against a redis-server of its own (started on a free loopback port, no persistence), so the
 memory figures hold nothing else. No model runs: each job's end is recorded the way the worker does

@@ -1,8 +1,8 @@
 """What a benchmark records of one system's run, and the helpers every system's runner shares.
 
-Every system (batcher in `workers.bench`, the transformers baselines in `workers.bench_hf`)
+Every system (batcher in `workers.bench.run`, the transformers baselines in `workers.bench.peers`)
 produces a `SystemRun`: when each token appeared, which tokens, what each step computed, and the
-peak memory. `workers.bench_report` then derives every metric the same way for all of them.
+peak memory. `workers.bench.report` then derives every metric the same way for all of them.
 Arrival times in the workload are honoured: a request is submitted when its time has come.
 """
 
@@ -14,16 +14,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from batcher.workload import WorkloadRequest
+from workers.bench.workload import WorkloadRequest
 
-# The names `batcher bench --systems` accepts (kept here, free of torch, for the CLI to check).
-REDIS_SUFFIX = "@redis"  # a batcher system served through Redis and a worker instead of driven directly
-BATCHER_SYSTEMS = ("batcher:continuous", "batcher:static")
-SYSTEMS = (*BATCHER_SYSTEMS, *(s + REDIS_SUFFIX for s in BATCHER_SYSTEMS), "hf-cb", "hf-static", "hf-naive")
 RSS_SAMPLE_INTERVAL_S = 0.02
-WARMUP_PROMPT_LEN = 16  # one tiny request first keeps first-call costs out of the measurement
-WARMUP_MAX_TOKENS = 2
-WARMUP_TOKEN_ID = 100
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from batcher.workload import WorkloadRequest
-from workers.bench_run import SystemRun
+from workers.bench.record import SystemRun
+from workers.bench.workload import WorkloadRequest
 
 PROBE_SIZE = 1024  # square fp32 matmul: large enough to run at the CPU's peak, small enough to take ~10 ms
 PROBE_REPEATS = 10

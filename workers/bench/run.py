@@ -1,9 +1,9 @@
 """`batcher bench`: one workload through several systems, in one process, on equal terms.
 
-Systems: `batcher:continuous` and `batcher:static` (this engine, run here step by step), and the
-transformers baselines `hf-cb`, `hf-static`, `hf-naive` (`workers.bench_hf`). They run one after
-the other with the same weights, slots, page size, token budget and threads; each is warmed up
-first and freed after. Metrics come from `workers.bench_report`.
+Systems (`workers.bench.system`): `batcher:continuous` and `batcher:static` (this engine, run here step by
+step, or through Redis and a worker with `@redis`), and the transformers baselines `hf-cb`, `hf-static`,
+`hf-naive` (`workers.bench.peers`). They run one after the other with the same weights, slots, page size,
+token budget and threads; each is warmed up first and freed after. Metrics come from `workers.bench.report`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 
 from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
-from batcher.workload import WorkloadRequest
-from workers.bench_report import BenchReport, ModelCost, environment, matmul_probe, system_report
-from workers.bench_run import (REDIS_SUFFIX, SYSTEMS, WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, WARMUP_TOKEN_ID, PeakRss, SystemRun,
-                               by_arrival, wait_until)
+from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from workers.bench.report import BenchReport, ModelCost, environment, matmul_probe, system_report
+from workers.bench.system import System
+from workers.bench.workload import WorkloadRequest
 from workers.engine import Engine, build_engine
 from workers.runner import DTYPES, resolve_device
 
@@ -29,20 +29,12 @@ def workload_request(item: WorkloadRequest, vocab_size: int) -> GenerationReques
                              sampling=SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
 
 
-def warm_up(engine: Engine) -> None:
-    """Run one tiny request through the engine before the clock starts."""
-    engine.add("warmup", GenerationRequest(prompt_token_ids=[WARMUP_TOKEN_ID] * WARMUP_PROMPT_LEN,
-                                           sampling=SamplingParams(max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)))
-    while engine.has_work():
-        engine.step()
-
-
 def run_batcher(engine: Engine, workload: list[WorkloadRequest]) -> SystemRun:
     """Drive the engine step by step; every step's outputs are stamped when the step returns."""
     run = SystemRun(f"batcher:{engine.config.policy}", slots=engine.config.max_num_seqs,
                     token_times={w.id: [] for w in workload})
     vocab = engine.loaded.vocab_size
-    warm_up(engine)
+    engine.warm_up()
     pending = by_arrival(workload)
     with PeakRss() as rss:
         start = time.perf_counter()
@@ -67,48 +59,45 @@ def run_batcher(engine: Engine, workload: list[WorkloadRequest]) -> SystemRun:
     return run
 
 
-def run_system(system: str, config: EngineConfig, workload: list[WorkloadRequest],
+def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequest],
                redis_url: str | None = None) -> tuple[SystemRun, ModelCost]:
     """Load the model for one system, run the workload, and return the run and the model's cost."""
-    if system.startswith("batcher:"):
-        policy = system.removeprefix("batcher:").removesuffix(REDIS_SUFFIX)
-        engine = build_engine(replace(config, policy=policy))
-        if not system.endswith(REDIS_SUFFIX):
+    if system.kind == "batcher":
+        engine = build_engine(replace(config, policy=system.policy))
+        if not system.through_redis:
             return run_batcher(engine, workload), ModelCost.of(engine.runner.model)
         from batcher.client import connect
-        from workers.bench_redis import run_batcher_redis
+        from workers.bench.through_redis import run_batcher_redis
 
-        warm_up(engine)
+        engine.warm_up()
         vocab = engine.loaded.vocab_size
         run = run_batcher_redis(engine, workload, connect(redis_url), lambda item: workload_request(item, vocab))
         return run, ModelCost.of(engine.runner.model)
 
-    from workers import bench_hf
+    from workers.bench import peers
     from workers.runner import num_kv_blocks
 
-    model = bench_hf.load_hf_model(config)
+    model = peers.load_hf_model(config)
     vocab = model.get_output_embeddings().weight.shape[0]
-    if system == "hf-cb":
-        num_blocks = min(num_kv_blocks(model, config), bench_hf.workload_blocks(workload, config.block_size))
-        run = bench_hf.run_hf_cb(model, workload, vocab, config, num_blocks)
-    elif system == "hf-static":
-        run = bench_hf.run_hf_static(model, workload, vocab, config.max_num_seqs)
-    elif system == "hf-naive":
-        run = bench_hf.run_hf_naive(model, workload, vocab)
+    if system.kind == "hf-cb":
+        num_blocks = min(num_kv_blocks(model, config), peers.workload_blocks(workload, config.block_size))
+        run = peers.run_hf_cb(model, workload, vocab, config, num_blocks)
+    elif system.kind == "hf-static":
+        run = peers.run_hf_static(model, workload, vocab, config.max_num_seqs)
     else:
-        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        run = peers.run_hf_naive(model, workload, vocab)
     return run, ModelCost.of(model)
 
 
-def run_bench(workload: list[WorkloadRequest], name: str, systems: list[str], baseline: str,
+def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System], baseline: System,
               config: EngineConfig, threads: int, redis_url: str | None = None) -> BenchReport:
     """Run every system on the workload and compare them against `baseline` (one of `systems`)."""
     if baseline not in systems:
-        raise ValueError(f"the baseline {baseline!r} must be one of the systems run: {', '.join(systems)}")
+        raise ValueError(f"the baseline {baseline} must be one of the systems run: {', '.join(map(str, systems))}")
     torch.set_num_threads(threads)
     device = resolve_device(config.device)
     probe = matmul_probe(DTYPES[config.dtype], str(device))
-    runs: dict[str, SystemRun] = {}
+    runs: dict[System, SystemRun] = {}
     cost = None
     for system in systems:
         runs[system], cost = run_system(system, config, workload, redis_url)
@@ -116,7 +105,7 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[str], ba
     probe = max(probe, matmul_probe(DTYPES[config.dtype], str(device)))  # the better of before and after
     device_name, versions = environment(device)
     report = BenchReport(workload=name, model=config.model, threads=threads, device=device_name, versions=versions,
-                         probe_gflop_s=probe / 1e9, baseline=baseline, requests=len(workload),
+                         probe_gflop_s=probe / 1e9, baseline=baseline.name, requests=len(workload),
                          prompt_tokens=sum(w.prompt_len for w in workload))
     report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline]) for s in systems]
     return report

@@ -6,7 +6,7 @@ each step, over the slots). Right: cumulative generated tokens over time for eve
 
 from __future__ import annotations
 
-from workers.bench_report import BenchReport
+from workers.bench.report import BenchReport
 
 FIGURE_SIZE = (12, 4.5)
 DPI = 110

@@ -21,9 +21,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from batcher.blocks import blocks_needed
 from batcher.config import EngineConfig
-from batcher.workload import WorkloadRequest
-from workers.bench_run import (WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, WARMUP_TOKEN_ID, PeakRss, SystemRun,
-                               by_arrival, wait_until)
+from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from workers.bench.workload import WorkloadRequest
+from workers.engine import WARMUP_REQUEST
 from workers.models import resolve
 from workers.runner import DTYPES
 
@@ -77,7 +77,7 @@ def _run_groups(name: str, model, workload: list[WorkloadRequest], vocab_size: i
     """Static batching with `generate`: take up to `slots` requests that have arrived, run them to
     the longest one, repeat."""
     run = SystemRun(name, slots=slots, token_times={w.id: [] for w in workload})
-    _generate(model, [[WARMUP_TOKEN_ID] * WARMUP_PROMPT_LEN], WARMUP_MAX_TOKENS, time.perf_counter())
+    _generate(model, [WARMUP_REQUEST.prompt_token_ids], WARMUP_REQUEST.sampling.max_tokens, time.perf_counter())
     pending = by_arrival(workload)
     with PeakRss() as rss:
         start = time.perf_counter()
@@ -145,8 +145,8 @@ def run_hf_cb(model, workload: list[WorkloadRequest], vocab_size: int, config: E
                                              continuous_batching_config=cb_config(config, num_blocks))
     manager.start()
     try:
-        manager.add_request([WARMUP_TOKEN_ID] * WARMUP_PROMPT_LEN, request_id="warmup",
-                            max_new_tokens=WARMUP_MAX_TOKENS, eos_token_id=NO_EOS)
+        manager.add_request(WARMUP_REQUEST.prompt_token_ids, request_id="warmup",
+                            max_new_tokens=WARMUP_REQUEST.sampling.max_tokens, eos_token_id=NO_EOS)
         while manager.get_result(timeout=RESULT_POLL_S) is None:
             _check_running(manager)
         pending = by_arrival(workload)

@@ -16,8 +16,8 @@ from redis import Redis
 from batcher import keys
 from batcher.client import Client
 from batcher.schema import StreamEvent
-from batcher.workload import WorkloadRequest
-from workers.bench_run import PeakRss, SystemRun, by_arrival, wait_until
+from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from workers.bench.workload import WorkloadRequest
 from workers.engine import Engine
 from workers.rq_worker import BatchWorker
 

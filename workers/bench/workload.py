@@ -1,4 +1,4 @@
-"""Benchmark workload files (format in `../shared/bench/README.md`; copies bundled in batcher/data).
+"""Benchmark workload files (the format is in docs/benchmarks.md; the shared ones are bundled in workloads/).
 
 Each line is one request: {"id": "r0", "prompt_len": 37, "max_tokens": 10, "arrival_s": 0.0}.
 The prompt of the request on line i is `prompt_len` ids drawn from `random.Random(i)`, so every
@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 PROMPT_ID_MARGIN = 100
+BUNDLED_DIR = Path(__file__).parent / "workloads"
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,7 @@ class WorkloadRequest:
 
 
 def bundled_workloads() -> list[str]:
-    return sorted(p.name.removesuffix(".jsonl") for p in resources.files("batcher.data").iterdir()
-                  if p.name.endswith(".jsonl") and not p.name.startswith("samples"))
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.jsonl"))
 
 
 def workload_path(name_or_path: str) -> Path:
@@ -40,7 +39,7 @@ def workload_path(name_or_path: str) -> Path:
     if path.exists():
         return path
     if name_or_path in bundled_workloads():
-        return Path(str(resources.files("batcher.data") / f"{name_or_path}.jsonl"))
+        return BUNDLED_DIR / f"{name_or_path}.jsonl"
     raise FileNotFoundError(f"no workload file {name_or_path!r}; bundled: {', '.join(bundled_workloads())}")
 
 

@@ -1,0 +1,49 @@
+"""The figures a worker publishes with every heartbeat, and `batcher workers` reads: one contract, both sides.
+
+The worker writes `WorkerStats.to_hash()` to `keys.worker_stats_key(name)` (expiring when it dies) and adds its
+name to `keys.WORKERS_SET`; `batcher.admin.list_workers` reads them back with `WorkerStats.from_hash`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Literal
+
+WorkerState = Literal["idle", "busy", "suspended", "draining"]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    name: str
+    host: str
+    pid: int
+    queues: str  # the base queues it serves, comma-separated
+    model: str
+    state: WorkerState
+    in_flight: int
+    free_slots: int
+    kv_usage: float  # fraction of KV-cache blocks in use
+    tokens_per_s: float  # generated since the previous heartbeat
+    last_heartbeat: float  # time.time()
+
+    @property
+    def heartbeat_age_s(self) -> float:
+        return max(0.0, time.time() - self.last_heartbeat)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_hash(self) -> dict[str, str | int | float]:
+        return self.to_dict()
+
+    @classmethod
+    def from_hash(cls, raw: dict) -> WorkerStats:
+        """Parse a hash as redis-py returns it (bytes or str); fields a newer worker added are ignored."""
+        text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in raw.items()}
+        values = {}
+        for f in fields(cls):
+            kind = {"int": int, "float": float}.get(f.type, str)
+            values[f.name] = kind(text[f.name])
+        return cls(**values)
