@@ -86,7 +86,7 @@ def queue_overview(connection: Redis, queue: str | None = None) -> list[QueueRow
     if queue is not None:  # the base's model queues too
         qs += [q for q in _queues(connection, None) if keys.base_queue(q.name) == queue
                and keys.unprioritised(q.name) != queue]
-    models = {_text(k): _text(v) for k, v in connection.hgetall(keys.MODEL_QUEUES).items()}
+    models = {k.decode(): v.decode() for k, v in connection.hgetall(keys.MODEL_QUEUES).items()}
     live = list_workers(connection)
     rows = []
     for q in qs:

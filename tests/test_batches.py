@@ -253,3 +253,17 @@ def test_a_job_that_only_claims_to_be_in_a_batch_changes_nothing_in_it(fake_redi
     finish(client, forged)
     assert client.batch(batch.id).request_counts.completed == 0
     assert fake_redis.xlen(keys.queue_feed_key(keys.DEFAULT_QUEUE)) == 1  # it is still a finished job of the queue
+
+
+def test_queues_report_the_model_each_routes_to_and_whether_a_live_worker_serves_it(fake_redis):
+    from batcher.admin import queue_overview
+
+    client = Client(fake_redis)
+    client.submit_many([{"prompt": "x", "model": "m1"}, {"prompt": "y", "model": "m2"}, "z"])
+    fake_redis.hset(keys.worker_stats_key("w1"), mapping={
+        "name": "w1", "host": "h", "pid": 1, "queues": "batcher", "model": "m1", "state": "idle", "in_flight": 0,
+        "free_slots": 8, "kv_usage": 0, "tokens_per_s": 0, "last_heartbeat": time.time()})
+    fake_redis.sadd(keys.WORKERS_SET, "w1")
+    rows = {r.model: r for r in queue_overview(fake_redis, keys.DEFAULT_QUEUE) if r.queued}
+    assert {m: (r.queued, r.served) for m, r in rows.items()} == {None: (1, True), "m1": (1, True), "m2": (1, False)}
+    assert client.models() == ["m1"]
