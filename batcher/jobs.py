@@ -60,3 +60,11 @@ def request_from_job(func_name: str | None, args: Any, kwargs: Any) -> Generatio
         return GenerationRequest.model_validate(args[0])
     except ValidationError as exc:
         raise InvalidJob(f"invalid request: {readable(exc)}") from None
+
+
+def request_of(job) -> GenerationRequest | None:
+    """The request an RQ job carries, or None when it carries no readable one (pickled, or invalid)."""
+    try:
+        return request_from_job(job.func_name, job.args, job.kwargs)
+    except Exception:  # noqa: BLE001  (RQ raises its own DeserializationError for pickled data)
+        return None

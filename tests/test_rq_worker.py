@@ -3,6 +3,7 @@ results, failures, stop-job, timeouts, drain, requeue, leases and recovery."""
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import datetime, timedelta, timezone
 
@@ -322,3 +323,28 @@ def test_job_ids_without_a_readable_job_are_dropped_and_the_worker_goes_on(fake_
     make_worker(fake_redis).work(burst=True)
     assert client.result(good, timeout=10).text == expected_text(2)
     assert queue.job_ids == [] and fake_redis.llen(queue.intermediate_queue_key) == 0
+
+
+def test_a_batch_and_the_feed_are_written_in_the_transaction_that_records_each_result(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    lines = [f'{{"custom_id": "c{i}", "method": "POST", "url": "/v1/completions", '
+             f'"body": {{"prompt": "p{i}", "max_tokens": {2 + i}}}}}' for i in range(3)] + ["not json"]
+    batch = client.create_batch(lines)
+    plain = client.submit(request(max_tokens=2))
+    make_worker(fake_redis).work(burst=True)
+    done = client.batch(batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 1)
+    out = [line for line in client.batch_output(batch.id)]
+    assert [json.loads(o)["response"]["body"]["choices"][0]["text"] for o in out] == [expected_text(n) for n in (2, 3, 4)]
+    feed = [c.job_id for c in client.completions("g", "c", timeout=0.1)]
+    assert sorted(feed) == sorted([plain, *(keys.batch_job_id(batch.id, i) for i in range(4))])
+
+
+def test_a_worker_takes_jobs_for_its_model_and_jobs_for_any_model_but_not_another_models(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    mine, anyone, other = client.submit_many([request(model="m1"), request(), request(model="m2")])
+    worker = BatchWorker(keys.priority_queue_names([Q], model="m1"), FakeEngine(), connection=fake_redis,
+                         model_name="m1")
+    worker.work(burst=True)
+    assert client.result(mine, timeout=5).model == "m1" and client.result(anyone, timeout=5).model == "m1"
+    assert fetch(fake_redis, other).get_status() == JobStatus.QUEUED

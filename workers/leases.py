@@ -27,7 +27,9 @@ from redis import Redis
 from redis.exceptions import WatchError
 
 from batcher import keys
+from batcher.batches import record_job_end
 from batcher.job_stream import append_event
+from batcher.jobs import request_of
 from batcher.redis_retry import REDIS_ERRORS
 from batcher.schema import StreamEvent
 from workers.rq_adapter import BaseBatchWorker, Execution, Job, NoSuchJobError, Queue
@@ -209,6 +211,8 @@ class LeaseKeeper:
             if cancelled:
                 worker.failure_on(pipe, job, queue, execution, CANCELLED_WHILE_LOST, stopped=True)
                 append_event(pipe, job_id, StreamEvent(type="done", finish_reason="cancelled"), worker.failure_ttl(job))
+                record_job_end(pipe, job_id=job_id, queue=queue.name, status="stopped", request=request_of(job),
+                               reason=CANCELLED_WHILE_LOST)
                 outcome = "ended it as cancelled"
             elif attempts >= MAX_ATTEMPTS:
                 reason = (f"the job was started {attempts} times, and each time its worker was lost (it crashed, or "
@@ -216,6 +220,8 @@ class LeaseKeeper:
                           "what brings workers down")
                 worker.failure_on(pipe, job, queue, execution, reason, stopped=False)
                 append_event(pipe, job_id, StreamEvent(type="error", error=reason), worker.failure_ttl(job))
+                record_job_end(pipe, job_id=job_id, queue=queue.name, status="failed", request=request_of(job),
+                               reason=reason)
                 outcome = "failed it as a poison job"
             else:
                 worker.requeue_on(pipe, job, queue, execution)
@@ -224,3 +230,4 @@ class LeaseKeeper:
             pipe.execute()
         log.warning("worker %s: job %s lost its worker (attempt %d); %s", worker.name, job_id, attempts, outcome)
         return True
+

@@ -33,6 +33,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from batcher import keys
+from batcher.batches import record_job_end
 from batcher.jobs import DEFAULT_LEASE_S, InvalidJob, bounded_reason, request_from_job
 from batcher.redis_retry import REDIS_ERRORS, Backoff, retry_while_unreachable
 from batcher.scheduler import Sequence
@@ -96,6 +97,7 @@ class InFlight:
     failure_ttl: int
     timeout_at: float | None = None
     first_token_at: float | None = None
+    request: GenerationRequest | None = None  # None until decoded, or if the job carries no valid request
     end: JobEnd | None = None
     end_order: int = 0  # jobs that ended in the same iteration are recorded in the order they ended
     end_event_buffered: bool = False
@@ -125,8 +127,8 @@ class BatchWorker(BaseBatchWorker):
     `queue_depths` holds the queue lengths as last read."""
 
     def __init__(self, queues: list[str], engine: EngineProtocol, *, connection: Redis, name: str | None = None,
-                 lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None, on_step: StepHook | None = None,
-                 on_job_end: JobEndHook | None = None) -> None:
+                 model_name: str | None = None, lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None,
+                 on_step: StepHook | None = None, on_job_end: JobEndHook | None = None) -> None:
         if lease_s < 1:
             raise ValueError(f"lease_s must be at least 1 second, got {lease_s}")
         # redis-py re-sends a command (a whole MULTI pipeline too) whose reply was lost, so a write that did
@@ -141,7 +143,7 @@ class BatchWorker(BaseBatchWorker):
         super().__init__(list(queues), connection=connection, name=name, lease_s=int(lease_s),
                          maintenance_interval=DEFAULT_MAINTENANCE_INTERVAL_S)
         self.engine = engine
-        self.model_name = engine.loaded.name
+        self.model_name = model_name or engine.loaded.name  # the name jobs give to be routed here
         self.on_added, self.on_step, self.on_job_end = on_added, on_step, on_job_end
         self.streams = StreamWriter(connection)
         self.keeper = LeaseKeeper(self, in_flight=self._snapshot, on_beat=self._beat, on_lost=self._leases_lost,
@@ -335,11 +337,12 @@ class BatchWorker(BaseBatchWorker):
             self.jobs_taken += 1
             cancelled, top = replies[at], replies[at + 1]
             self.streams.begin(job.id, execution.id, top[0][0] if top else None, f.result_ttl)
-            if cancelled:
-                f.ended("stopped", reason=CANCELLED_BEFORE_START)
-                continue
             try:
-                request = self._request(job)
+                request = f.request = self._request(job)
+                if cancelled:
+                    f.ended("stopped", reason=CANCELLED_BEFORE_START)
+                    continue
+                _check_deadline(request)
                 seq = self.engine.add(execution.id, request, arrival_time=admitted_at)
                 if request.timeout_s is not None:
                     f.timeout_at = admitted_at + request.timeout_s
@@ -356,12 +359,7 @@ class BatchWorker(BaseBatchWorker):
             func_name, args, kwargs = job.func_name, job.args, job.kwargs
         except DeserializationError:
             raise InvalidJob(PICKLED_JOB_REASON) from None
-        request = request_from_job(func_name, args, kwargs)
-        if request.deadline is not None:
-            deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
-            if datetime.now(timezone.utc) > deadline:
-                raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
-        return request
+        return request_from_job(func_name, args, kwargs)
 
     # ----- requests from other threads, and running timeouts -----
     def stop_job_requested(self, job_id: str) -> None:
@@ -474,12 +472,14 @@ class BatchWorker(BaseBatchWorker):
             self.streams.done(f.execution.id, reason, usage, ttl)
 
     def _record_on(self, pipe, f: InFlight) -> None:
-        """Queue the RQ Result and registries of a job that ended."""
+        """Queue the RQ Result and registries of a job that ended, and its batch line, counts and feed entries."""
         end = f.end
         if end.status == "finished":
             self.success_on(pipe, f.job, f.queue, f.execution, end.result.model_dump(mode="json"))
         else:
             self.failure_on(pipe, f.job, f.queue, f.execution, end.reason, stopped=end.status == "stopped")
+        record_job_end(pipe, job_id=f.job.id, queue=f.queue.name, status=end.status, request=f.request,
+                       result=end.result, reason=end.reason)
 
     def _lose(self, f: InFlight) -> None:
         """Another worker holds the job's lease now: drop it here and record nothing."""
@@ -571,7 +571,7 @@ class BatchWorker(BaseBatchWorker):
             state = "busy" if self._jobs else "idle"
         return WorkerStats(
             name=self.name, host=socket.gethostname(), pid=os.getpid(),
-            queues=",".join(sorted({q.name.split(keys.PRIORITY_SEPARATOR)[0] for q in self.queues})),
+            queues=",".join(sorted({keys.base_queue(q.name) for q in self.queues})),
             model=self.model_name, state=state, in_flight=len(self._jobs), free_slots=self.engine.free_slots,
             kv_usage=round(self.engine.kv_cache_usage, 4),
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time())
@@ -595,6 +595,13 @@ class BatchWorker(BaseBatchWorker):
             hook(self, arg)
         except Exception:  # an ops hook must not stop the jobs
             log.exception("worker %s: hook %r failed", self.name, hook)
+
+
+def _check_deadline(request: GenerationRequest) -> None:
+    if request.deadline is not None:
+        deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
+        if datetime.now(timezone.utc) > deadline:
+            raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
 
 
 def wait_for_redis(connection: Redis) -> None:

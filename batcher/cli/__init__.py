@@ -62,3 +62,4 @@ def main(ctx: click.Context, verbose: int, debug: bool) -> None:
 from batcher.cli import engine_commands  # noqa: E402,F401  (registers run, bench, demo)
 from batcher.cli import job_commands  # noqa: E402,F401  (registers worker, submit, tail, status, cancel)
 from batcher.cli import admin_commands  # noqa: E402,F401  (registers workers, drain, suspend, resume, queues, requeue)
+from batcher.cli import batch_commands  # noqa: E402,F401  (registers the batch group)
