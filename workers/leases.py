@@ -8,7 +8,8 @@
   (`workers.streams`), the result and the force-stop requeue through transactions that WATCH it (`fenced`).
   Redis aborts such a transaction if the key changed or expired in between.
 - Recovery: `keys.lease_index_key(queue)` lists the leases by expiry. Every tick, the keeper looks for
-  expired ones; for each whose lease key is gone, it claims the job with SET NX (exactly one worker wins) and,
+  expired ones; for each still indexed whose lease key is gone, it claims the job with SET NX in one script
+  (exactly one worker wins, once per execution) and,
   in one transaction, requeues it at the front of its queue, or ends it: stopped if it was cancelled
   meanwhile, failed if it has been started MAX_ATTEMPTS times (a job that keeps killing its workers).
   The job's own RQ `Retry` plays no part, so a job enqueued with plain RQ is recovered the same way, and RQ's
@@ -43,6 +44,7 @@ RECOVERY_BATCH = 100  # expired leases looked at per queue and tick
 MAX_WATCH_RETRIES = 5  # a fenced transaction retried when the keeper renewed one of its leases meanwhile
 RECOVERING = "recovering"  # what a lease key holds while a worker recovers its job
 CANCELLED_WHILE_LOST = "cancelled while its worker was lost"
+ENDED_STATUSES = ("finished", "failed", "stopped", "canceled")
 
 # KEYS: per job, its lease key and its queue's lease index. ARGV: the lease in ms, then per job: the execution
 # id and the index member. Renews the leases still held, by the server's clock; returns the positions (1-based)
@@ -61,6 +63,17 @@ for j = 1, #KEYS, 2 do
   end
 end
 return lost
+"""
+
+
+# KEYS: the lease key, the queue's lease index. ARGV: the index member, the sentinel, the lease in ms.
+# Claims a job whose lease expired for recovery: only if its execution is still indexed (no one recovered it
+# yet) and no lease is held (the entry was not merely late), so exactly one worker recovers one execution.
+CLAIM_LUA = """
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) and redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then
+  return 1
+end
+return 0
 """
 
 
@@ -127,6 +140,7 @@ class LeaseKeeper:
         self.on_lost, self.on_cancelled = on_lost, on_cancelled
         self.interval_s = worker.lease_s / HEARTBEATS_PER_LEASE
         self._renew = worker.connection.register_script(RENEW_LUA)
+        self._claim = worker.connection.register_script(CLAIM_LUA)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-keeper-{worker.name}", daemon=True)
 
@@ -194,8 +208,10 @@ class LeaseKeeper:
     def _recover(self, queue: Queue, job_id: str, execution_id: str) -> bool:
         """Requeue, or end, one job whose lease expired: only the worker whose SET NX wins does it."""
         worker, connection = self.worker, self.worker.connection
-        if not connection.set(keys.lease_key(job_id), RECOVERING, nx=True, px=worker.lease_s * 1000):
-            return False  # still leased (its index entry was late), or another worker recovers it
+        member = index_member(job_id, execution_id)
+        if not self._claim(keys=[keys.lease_key(job_id), keys.lease_index_key(queue.name)],
+                           args=[member, RECOVERING, worker.lease_s * 1000]):
+            return False  # still leased (its index entry was late), or another worker recovered it already
         attempts, cancelled = connection.mget(keys.attempts_key(job_id), keys.cancel_key(job_id))
         attempts = int(attempts or 1)
         try:
@@ -208,6 +224,10 @@ class LeaseKeeper:
         execution = worker.execution_of(job, execution_id)
         with connection.pipeline() as pipe:
             pipe.multi()
+            if job.get_status(refresh=False) in ENDED_STATUSES:  # its end was recorded meanwhile: nothing to run
+                release_on(pipe, job_id, execution_id, queue.name, ended=False)
+                pipe.execute()
+                return False
             if cancelled:
                 worker.failure_on(pipe, job, queue, execution, CANCELLED_WHILE_LOST, stopped=True)
                 append_event(pipe, job_id, StreamEvent(type="done", finish_reason="cancelled"), worker.failure_ttl(job))
