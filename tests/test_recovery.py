@@ -254,3 +254,17 @@ def test_a_recoverer_that_comes_late_finds_nothing_to_recover(fake_redis):
     assert not late.keeper._recover(Queue(Q, connection=fake_redis, serializer=JSONSerializer), dead_job, dead_execution)
     assert Queue(Q, connection=fake_redis).count == 0
     assert [r.type for r in fetch(fake_redis, job_id).results()] == [Result.Type.SUCCESSFUL]
+
+
+def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_requeued(fake_redis, monkeypatch):
+    client = Client(fake_redis, queue=Q)
+    job_id = client.submit(request(max_tokens=4))
+    queue = Queue(Q, connection=fake_redis, serializer=JSONSerializer)
+    fake_redis.lmove(queue.key, queue.intermediate_queue_key)  # taken (LMOVE), then the worker was killed
+    worker = make_worker(fake_redis)
+    assert worker.keeper.recover_expired() == 0  # first seen: it may still be starting
+    monkeypatch.setattr("workers.leases.STRANDED_GRACE_LEASES", 0)
+    assert worker.keeper.recover_expired() == 1
+    assert queue.job_ids == [job_id] and fake_redis.llen(queue.intermediate_queue_key) == 0
+    worker.work(burst=True)
+    assert client.result(job_id, timeout=10).text == expected_text(4)

@@ -12,8 +12,10 @@
   (exactly one worker wins, once per execution) and,
   in one transaction, requeues it at the front of its queue, or ends it: stopped if it was cancelled
   meanwhile, failed if it has been started MAX_ATTEMPTS times (a job that keeps killing its workers).
-  The job's own RQ `Retry` plays no part, so a job enqueued with plain RQ is recovered the same way, and RQ's
-  started registry sees a long lease (`rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
+  A job a dead worker had taken from its queue but not started yet (still in RQ's intermediate list after
+  STRANDED_GRACE_LEASES leases) goes back to the front of its queue. The job's own RQ `Retry` plays no part, so
+  a job enqueued with plain RQ is recovered the same way, and RQ's started registry sees a long lease
+  (`rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ MAX_WATCH_RETRIES = 5  # a fenced transaction retried when the keeper renewed on
 RECOVERING = "recovering"  # what a lease key holds while a worker recovers its job
 CANCELLED_WHILE_LOST = "cancelled while its worker was lost"
 ENDED_STATUSES = ("finished", "failed", "stopped", "canceled")
+# A job taken (moved to the intermediate list) is started within milliseconds; one still there this many leases
+# later was taken by a worker that died before starting it.
+STRANDED_GRACE_LEASES = 2
 
 # KEYS: per job, its lease key and its queue's lease index. ARGV: the lease in ms, then per job: the execution
 # id and the index member. Renews the leases still held, by the server's clock; returns the positions (1-based)
@@ -192,7 +197,8 @@ class LeaseKeeper:
         return lost, [job for job, flag in zip(jobs, flags) if flag and job not in lost]
 
     def recover_expired(self) -> int:
-        """Recover the jobs whose lease expired, on every queue of this worker; return how many."""
+        """Recover the jobs whose lease expired, and the jobs a dead worker had taken but not started, on every
+        queue of this worker; return how many."""
         connection = self.worker.connection
         seconds, micros = connection.time()
         now_ms = seconds * 1000 + micros // 1000
@@ -203,6 +209,8 @@ class LeaseKeeper:
             for member in members:
                 member = member.decode() if isinstance(member, bytes) else member
                 recovered += self._recover(queue, *member.split(":", 1))
+        for queue, job_ids in self.worker.stranded(self.worker.queues).items():
+            recovered += self.worker.requeue_stranded(queue, job_ids, STRANDED_GRACE_LEASES * self.worker.lease_s)
         return recovered
 
     def _recover(self, queue: Queue, job_id: str, execution_id: str) -> bool:

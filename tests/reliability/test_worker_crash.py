@@ -68,6 +68,7 @@ class StockRqInfo:
     def __init__(self, url: str, queues: list[str]) -> None:
         self.command = [sys.executable, "-m", "rq.cli", "info", "--url", url, *queues]
         self.runs = 0
+        self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -77,12 +78,15 @@ class StockRqInfo:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            subprocess.run(self.command, capture_output=True, timeout=60, check=True)
+            done = subprocess.run(self.command, capture_output=True, text=True, timeout=60)
             self.runs += 1
+            if done.returncode:
+                self.failures.append(done.stdout + done.stderr)
             self._stop.wait(0.2)
 
 
@@ -91,6 +95,7 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
     server = RedisServer(tmp_path / "redis").start()
     connection = server.connection()
     workers = [start_worker(server.url, model_dir, QUEUE, tmp_path / f"w{i}.log", max_num_seqs=16) for i in range(3)]
+    rq_info = StockRqInfo(server.url, [QUEUE])
     try:
         prompts = prompt_pool()
         jobs = [(tuple(prompts[i % len(prompts)]), LENGTHS[i % len(LENGTHS)]) for i in range(60)]
@@ -110,7 +115,7 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
                                         None), 60, "a worker with 8 jobs streaming")
         # An operator runs the stock `rq info` over and over meanwhile: its registry cleanup must neither fail
         # nor requeue (a second time) any job of the dead worker.
-        rq_info = StockRqInfo(server.url, [QUEUE]).start()
+        rq_info.start()
         lost1, recovery1 = kill_and_time_recovery(connection, busiest[1], ids, busiest[0])
         assert len(lost1) >= 8
         survivors = [w for w in workers if w is not busiest]
@@ -130,7 +135,7 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
             assert len({e.execution_id for e in stream}) == 1
             assert [t for e in stream for t in e.token_ids] == references[by_id[job_id]]
         rq_info.stop()
-        assert rq_info.runs > 0
+        assert rq_info.runs > 0 and not rq_info.failures, rq_info.failures
         assert FailedJobRegistry(QUEUE, connection=connection).count == 0
         assert max(recovery1, recovery2) <= RECOVERY_GOAL_S
         record("worker_crash", jobs=len(ids), plain_rq_jobs=len(ids) // 2, rq_info_runs=rq_info.runs, jobs_lost=0,
@@ -138,6 +143,7 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
                killed_in_flight=f"{len(lost1)}+{len(lost2)}",
                recovery_s=f"{recovery1:.1f}/{recovery2:.1f}", lease_s=LEASE_S)
     finally:
+        rq_info.stop()
         for _, process in workers:
             stop(process)
         server.stop()
