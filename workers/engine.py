@@ -142,10 +142,12 @@ class Engine:
         tokenizer = self.loaded.tokenizer
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        if request.messages is not None:
-            if not getattr(tokenizer, "chat_template", None):
-                raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
-            messages = [m.model_dump() for m in request.messages]
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if request.messages is not None and not has_template:
+            raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
+        if request.messages is not None or (request.chat and has_template):
+            messages = ([m.model_dump() for m in request.messages] if request.messages is not None
+                        else [{"role": "user", "content": request.prompt}])
             return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                       return_dict=True)["input_ids"])
         return list(tokenizer(request.prompt)["input_ids"])

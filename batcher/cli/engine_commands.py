@@ -88,6 +88,10 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
     if baseline not in systems:
         raise click.BadParameter(f"{baseline} is not among --systems", param_hint="--baseline")
     items = load_workload(workload)
+    if any(s.through_redis for s in systems):
+        from batcher.client import connect
+
+        connect(redis_url).ping()  # a Redis that cannot be reached is reported now, not after loading the model
     report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads, redis_url)
     click.echo(report.table())
     if json_path:
@@ -118,5 +122,6 @@ def demo(redis_url, model, max_num_seqs, compare):
     from workers.engine import build_engine
 
     connection = connect(redis_url) if redis_url else embedded_redis()
+    connection.ping()  # a Redis that cannot be reached is reported now, not after loading the model
     engine = build_engine(EngineConfig(model=model, max_num_seqs=max_num_seqs))
     run_demo(connection, engine, compare)

@@ -12,8 +12,14 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from batcher.errors import BatcherError
+
 PROMPT_ID_MARGIN = 100
 BUNDLED_DIR = Path(__file__).parent / "workloads"
+
+
+class WorkloadError(BatcherError, ValueError):
+    """A workload file that cannot be found or read, with where and why."""
 
 
 @dataclass(frozen=True)
@@ -40,14 +46,19 @@ def workload_path(name_or_path: str) -> Path:
         return path
     if name_or_path in bundled_workloads():
         return BUNDLED_DIR / f"{name_or_path}.jsonl"
-    raise FileNotFoundError(f"no workload file {name_or_path!r}; bundled: {', '.join(bundled_workloads())}")
+    raise WorkloadError(f"no workload file {name_or_path!r}; bundled: {', '.join(bundled_workloads())}")
 
 
 def load_workload(name_or_path: str) -> list[WorkloadRequest]:
+    path = workload_path(name_or_path)
     rows = []
-    with open(workload_path(name_or_path)) as f:
-        for index, line in enumerate(line for line in f if line.strip()):
-            obj = json.loads(line)
-            rows.append(WorkloadRequest(index, str(obj["id"]), int(obj["prompt_len"]), int(obj["max_tokens"]),
-                                        float(obj.get("arrival_s", 0.0))))
+    with open(path) as f:
+        try:
+            for index, line in enumerate(line for line in f if line.strip()):
+                obj = json.loads(line)
+                rows.append(WorkloadRequest(index, str(obj["id"]), int(obj["prompt_len"]), int(obj["max_tokens"]),
+                                            float(obj.get("arrival_s", 0.0))))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise WorkloadError(f"{path}: request {len(rows) + 1} is not a workload request "
+                                f"(id, prompt_len, max_tokens, arrival_s): {exc!r}") from None
     return rows
