@@ -110,8 +110,8 @@ def test_cli_runs_systems_and_writes_json_and_plot(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     result = CliRunner().invoke(main, [
         "bench", "--model", str(tiny_model_dir("llama")), "--workload", str(workload), "--max-num-seqs", "2",
-        "--kv-cache-bytes", str(1 << 20), "--dtype", "float32", "--systems", "batcher:continuous,hf-naive", "--baseline", "hf-naive",
-        "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+        "--kv-cache-bytes", str(1 << 20), "--dtype", "float32", "--systems", "batcher:continuous,hf-naive",
+        "--baseline", "hf-naive", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
     assert result.exit_code == 0, result.output
     assert "batcher:continuous" in result.output and "x hf-naive" in result.output
     assert json.loads((tmp_path / "r.json").read_text())["systems"][1]["system"] == "hf-naive"

@@ -18,10 +18,11 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The race: a decode-sized batch through a square weight, a few milliseconds in all.
+# The race: a decode-sized batch through a square weight; a fraction of a second in all, at start-up.
 PROBE_ROWS = 64
 PROBE_SIZE = 1024
-PROBE_REPEATS = 5
+PROBE_WARMUP = 3  # oneDNN's first bf16 calls build their kernels: 20-60 ms each, sometimes for a few calls
+PROBE_REPEATS = 10
 # bf16 costs precision, so it must win clearly; a near tie would flip between runs with the noise.
 BF16_MIN_SPEEDUP = 1.2
 
@@ -49,9 +50,12 @@ def cpu_bf16_speedup() -> float:
     """fp32 time over bf16 time of the same matmul, best of a few interleaved runs (>1: bf16 is faster).
     Measured once per process, at the thread count in force."""
     timings = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    operands = {dtype: (torch.randn(PROBE_ROWS, PROBE_SIZE, dtype=dtype), torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype))
-                for dtype in timings}
-    for _ in range(PROBE_REPEATS + 1):  # the first round also pays for first-call set-up
+    operands = {dtype: (torch.randn(PROBE_ROWS, PROBE_SIZE, dtype=dtype),
+                        torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype)) for dtype in timings}
+    for a, b in operands.values():
+        for _ in range(PROBE_WARMUP):
+            torch.mm(a, b)
+    for _ in range(PROBE_REPEATS):
         for dtype, (a, b) in operands.items():
             started = time.perf_counter()
             torch.mm(a, b)

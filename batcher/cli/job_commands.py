@@ -50,7 +50,6 @@ def worker(redis_url, queues, engine_config, name, served_model_name, lease, bur
         keys.model_queue(queue, served_model_name or engine_config.model)  # checks the name, before the model loads
     connection = connect(redis_url)
     engine = build_engine(engine_config)
-    click.echo(f"model {engine.loaded.name} in {engine.dtype} (--dtype {engine_config.dtype})", err=True)
     hooks = {}
     if metrics_port is not None:
         from workers.metrics import EngineMetrics
