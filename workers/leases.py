@@ -203,9 +203,11 @@ class LeaseKeeper:
         seconds, micros = connection.time()
         now_ms = seconds * 1000 + micros // 1000
         recovered = 0
-        for queue in self.worker.queues:
-            members = connection.zrangebyscore(keys.lease_index_key(queue.name), 0, now_ms, start=0,
-                                               num=RECOVERY_BATCH)
+        with connection.pipeline(transaction=False) as pipe:
+            for queue in self.worker.queues:
+                pipe.zrangebyscore(keys.lease_index_key(queue.name), 0, now_ms, start=0, num=RECOVERY_BATCH)
+            expired = pipe.execute()
+        for queue, members in zip(self.worker.queues, expired):
             for member in members:
                 member = member.decode() if isinstance(member, bytes) else member
                 recovered += self._recover(queue, *member.split(":", 1))
