@@ -56,11 +56,16 @@ def resume_all(connection: Redis) -> None:
 
 @dataclass(frozen=True)
 class QueueRow:
+    """One RQ queue. `model` is the model its jobs name (None: any worker of the base queue runs them);
+    `served` says whether a live worker polls it: an unserved queue's jobs wait until one does."""
+
     queue: str
     queued: int
     started: int
     failed: int
     finished: int
+    model: str | None = None
+    served: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,11 +80,21 @@ def _queues(connection: Redis, queue: str | None) -> list[Queue]:
 
 
 def queue_overview(connection: Redis, queue: str | None = None) -> list[QueueRow]:
-    """Depth and registry counts of every RQ queue (or of one base queue's priority levels)."""
+    """Depth and registry counts of every RQ queue (or of one base queue's priority levels and models),
+    with the model each queue routes to and whether a live worker serves it."""
+    qs = _queues(connection, queue)
+    if queue is not None:  # the base's model queues too
+        qs += [q for q in _queues(connection, None) if keys.base_queue(q.name) == queue
+               and keys.unprioritised(q.name) != queue]
+    models = {k.decode(): v.decode() for k, v in connection.hgetall(keys.MODEL_QUEUES).items()}
+    live = list_workers(connection)
     rows = []
-    for q in _queues(connection, queue):
+    for q in qs:
+        base, routed = keys.base_queue(q.name), keys.unprioritised(q.name)
+        model = models.get(routed) if routed != base else None
+        served = any(base in w.queues.split(",") and (model is None or w.model == model) for w in live)
         row = QueueRow(q.name, q.count, q.started_job_registry.count, q.failed_job_registry.count,
-                       q.finished_job_registry.count)
+                       q.finished_job_registry.count, model, served)
         if queue is None or q.name == queue or row.queued or row.started or row.failed or row.finished:
             rows.append(row)  # a base queue's empty priority levels would only be noise
     return rows
@@ -93,5 +108,6 @@ def requeue_failed(connection: Redis, queue: str | None = None) -> int:
         job_ids = registry.get_job_ids()
         for job_id in job_ids:
             registry.requeue(job_id)
+            connection.delete(keys.cancel_key(job_id))  # run again on purpose: an old cancel must not stop it
         total += len(job_ids)
     return total

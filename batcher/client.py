@@ -6,15 +6,18 @@ No torch here: a backend needs only `pip install batcher`.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
 import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 
 from redis import Redis
-from rq import Queue, Retry
+from rq import Queue
 from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
@@ -22,28 +25,37 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from batcher import keys
-from batcher.jobs import JOB_FUNCTION, job_argument
+from batcher.admin import list_workers
+from batcher.batches import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError,
+                             BatchNotFound, BatchStore, record_job_end)
+from batcher.errors import BatcherError
+from batcher.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
+from batcher.job_stream import append_event
+from batcher.jobs import JOB_FUNCTION, job_argument, request_of
+from batcher.openai_batch import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
 from batcher.redis_retry import retry_while_unreachable
-from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
+from batcher.schema import (BatchItem, ChatMessage, GenerationRequest, GenerationResult, SamplingParams,
+                            StreamEvent)
+
+__all__ = ["Client", "connect", "JobFailed", "JobNotFound", "QueueFull", "JobInfo", "Batch", "BatchNotFound",
+           "BatchInputError", "Completion"]
 
 REDIS_URL_ENV = "BATCHER_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_RESULT_TTL_S = 24 * 3600  # how long a result (and its stream) stays readable
 DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure stays in the FailedJobRegistry
 DEFAULT_QUEUE_TTL_S = 24 * 3600  # the longest a job may wait in the queue before RQ drops it
-DEFAULT_MAX_RETRIES = 2  # retries after a lost worker (a bad request fails at once, without retries)
 DEFAULT_MAX_QUEUE_LENGTH = 100_000  # refuse to enqueue beyond this many waiting jobs in one queue
 DEFAULT_SUMMARY_INSTRUCTIONS = "Summarise the following document in a few sentences."
 DEFAULT_SUMMARY_MAX_TOKENS = 256
 POLL_S = 1.0  # how long one blocking read waits before the job's status is checked again
-STOP_WAIT_S = 2.0  # how long cancel waits for a just-dequeued job to show as started
-STOP_POLL_S = 0.05
 DESCRIPTION_CHARS = 60
+BATCH_CHUNK = 1000  # batch lines per enqueue pipeline: a big file never sits in memory whole
 
 TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
 
 
-class JobFailed(RuntimeError):
+class JobFailed(BatcherError, RuntimeError):
     """The job ended without a result: failed, stopped or cancelled. `reason` says why."""
 
     def __init__(self, job_id: str, status: str, reason: str) -> None:
@@ -51,11 +63,11 @@ class JobFailed(RuntimeError):
         self.job_id, self.status, self.reason = job_id, status, reason
 
 
-class JobNotFound(LookupError):
+class JobNotFound(BatcherError, LookupError):
     """No such job: never enqueued, or expired (result TTL, failure TTL or queue TTL)."""
 
 
-class QueueFull(RuntimeError):
+class QueueFull(BatcherError, RuntimeError):
     """Backpressure: the queue holds more jobs than the client's `max_queue_length`."""
 
 
@@ -90,15 +102,11 @@ class Client:
         result_ttl: int = DEFAULT_RESULT_TTL_S,
         failure_ttl: int = DEFAULT_FAILURE_TTL_S,
         queue_ttl: int = DEFAULT_QUEUE_TTL_S,
-        max_retries: int = DEFAULT_MAX_RETRIES,
         max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH,
     ) -> None:
-        if max_retries < 1:
-            raise ValueError("max_retries must be at least 1: a job whose worker dies is retried, or it is lost")
         self.connection = redis if isinstance(redis, Redis) else connect(redis)
         self.queue = keys.check_queue(queue)
         self.result_ttl, self.failure_ttl, self.queue_ttl = result_ttl, failure_ttl, queue_ttl
-        self.max_retries = max_retries
         self.max_queue_length = max_queue_length
         self._queues: dict[str, Queue] = {}
 
@@ -109,28 +117,40 @@ class Client:
 
     def submit_many(self, requests: Iterable[GenerationRequest | str | dict],
                     job_ids: list[str] | None = None) -> list[str]:
-        """Enqueue many requests in one pipeline; return their job ids in order."""
+        """Enqueue many requests in one pipeline; return their job ids in order.
+
+        A request that names a `model` goes to that model's queue, which only workers serving the model
+        poll; one without runs on any worker of the queue."""
         requests = [_as_request(r) for r in requests]
         if job_ids is not None and len(job_ids) != len(requests):
             raise ValueError(f"got {len(job_ids)} job ids for {len(requests)} requests")
-        prepared = [
-            (keys.queue_name(self.queue, request.priority), Queue.prepare_data(
-                JOB_FUNCTION,
-                args=(job_argument(request),),
-                description=_description(request),
-                job_id=None if job_ids is None else keys.check_job_id(job_ids[i]),
-                result_ttl=self.result_ttl,
-                failure_ttl=self.failure_ttl,
-                ttl=self.queue_ttl,
-                retry=Retry(max=self.max_retries, enqueue_at_front=True),
-            ))
-            for i, request in enumerate(requests)
-        ]
+        prepared = [self._prepare(request, None if job_ids is None else keys.check_job_id(job_ids[i]), self.queue_ttl)
+                    for i, request in enumerate(requests)]
         self._check_room(Counter(name for name, _ in prepared))
         with self.connection.pipeline() as pipe:
-            jobs = [self._rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
+            jobs = self._enqueue(pipe, requests, prepared)
             pipe.execute()
         return [job.id for job in jobs]
+
+    def _prepare(self, request: GenerationRequest, job_id: str | None, queue_ttl: int):
+        """(the RQ queue, RQ's enqueue data) of one request."""
+        base = self.queue if request.model is None else keys.model_queue(self.queue, request.model)
+        return keys.queue_name(base, request.priority), Queue.prepare_data(
+            JOB_FUNCTION,
+            args=(job_argument(request),),
+            description=_description(request),
+            job_id=job_id,
+            result_ttl=self.result_ttl,
+            failure_ttl=self.failure_ttl,
+            ttl=queue_ttl,
+        )
+
+    def _enqueue(self, pipe, requests: list[GenerationRequest], prepared: list) -> list[Job]:
+        """Queue the jobs on `pipe`, and name each model queue they use (for `batcher queues`)."""
+        models = {keys.model_queue(self.queue, r.model): r.model for r in requests if r.model is not None}
+        if models:
+            pipe.hset(keys.MODEL_QUEUES, mapping=models)
+        return [self._rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
 
     def summarise(self, document: str, instructions: str | None = None, *, sampling: SamplingParams | None = None,
                   job_id: str | None = None, **request_fields) -> str:
@@ -146,9 +166,11 @@ class Client:
         """Yield the job's events from the start until `done` or `error` (blocking reads).
 
         After a `restart`, only events of the restart's execution are yielded, so a reader never mixes
-        the text of a lost attempt with the new one. A job that ends without a terminal event (cancelled
-        while queued, abandoned after its retries) ends the stream with one inferred from its status."""
+        the text of a lost attempt with the new one. A job that ends without a terminal event (one that
+        expired while queued) ends the stream with one inferred from its status. Redis outages after the
+        start are waited out."""
         key = keys.stream_key(job_id)
+        self.connection.ping()  # Redis unreachable from the start is an error at once; later outages are waited out
         deadline = None if timeout is None else time.monotonic() + timeout
         last_id, current = "0-0", None
         while True:
@@ -179,7 +201,7 @@ class Client:
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
         """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = retry_while_unreachable(self._fetch, job_id, deadline=deadline)
+        job = self._fetch(job_id)  # an unknown job, or Redis unreachable from the start, is an error at once
         while True:
             result = retry_while_unreachable(self._wait_for_result, job, deadline, timeout, deadline=deadline)
             if result is not None:
@@ -200,30 +222,33 @@ class Client:
 
     # ----- control -----
     def cancel(self, job_id: str) -> bool:
-        """Cancel a queued job (through RQ) or stop a running one (RQ's stop-job command).
+        """Cancel a job: a queued one never runs, a running one stops within one step (its partial text stays in
+        its stream), and one whose worker was lost is not started again. False if the job had already ended.
 
-        Return False if the job had already ended."""
+        The cancel is recorded in Redis first (`keys.cancel_key`), so it wins even where no worker hears RQ's
+        stop-job command: a worker checks it when it starts the job, each time it renews the job's lease, and
+        when it recovers the job of a lost worker."""
         job = self._fetch(job_id)
+        if self._status(job) in TERMINAL_STATUSES:
+            return False
+        self.connection.set(keys.cancel_key(job.id), 1, ex=keys.CANCEL_TTL_S)
         if self._rq_queue(job.origin).remove(job.id):  # atomic: no worker can take it any more
             job.cancel()
+            with self.connection.pipeline() as pipe:
+                failure_ttl = job.failure_ttl if job.failure_ttl is not None else self.failure_ttl
+                append_event(pipe, job.id, StreamEvent(type="done", finish_reason="cancelled"), failure_ttl)
+                record_job_end(pipe, job_id=job.id, queue=job.origin, status="stopped", request=request_of(job),
+                               reason="cancelled while queued")
+                pipe.delete(keys.cancel_key(job.id))
+                pipe.execute()
             return True
-        deadline = time.monotonic() + STOP_WAIT_S
-        while True:
-            status = self._status(job)
-            if status in TERMINAL_STATUSES:
-                return False
-            if status == JobStatus.STARTED:
-                try:
-                    send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
-                    return True
-                except InvalidJobOperation:
-                    pass
-            elif status != JobStatus.QUEUED:  # deferred or scheduled: not in a queue list, RQ cancels it
-                job.cancel()
-                return True
-            if time.monotonic() > deadline:  # taken by a worker that never started it: the lease decides
-                raise TimeoutError(f"job {job_id} is neither queued nor started; try again")
-            time.sleep(STOP_POLL_S)
+        status = self._status(job)
+        if status == JobStatus.STARTED:
+            with contextlib.suppress(InvalidJobOperation):  # the fast path; the recorded cancel is the sure one
+                send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
+        elif status in (JobStatus.DEFERRED, JobStatus.SCHEDULED):  # not in a queue list: RQ cancels it
+            job.cancel()
+        return True
 
     def status(self, job_id: str) -> JobInfo:
         job = self._fetch(job_id)
@@ -243,6 +268,120 @@ class Client:
             ended_at=job.ended_at,
             error=error,
         )
+
+    # ----- batches -----
+    def create_batch(self, lines: Iterable[str | bytes], *, endpoint: str | None = None,
+                     completion_window: str = DEFAULT_COMPLETION_WINDOW, metadata: dict[str, str] | None = None,
+                     owner: str | None = None, input_file_id: str | None = None, priority: int = 0,
+                     retention_s: int = DEFAULT_BATCH_RETENTION_S) -> Batch:
+        """Create a batch from the lines of an OpenAI batch file, read as a stream and enqueued in chunks.
+
+        `endpoint` defaults to the url of the first line that has a valid one. A bad line does not stop
+        the batch: it counts as a failed request, with its reason in the error file; a file with no valid line at all
+        (or none) makes a `failed` batch, as OpenAI's validation does. Each job carries the
+        batch's deadline, so no worker starts it after the completion window. Raise BatchInputError for a
+        bad window or metadata, QueueFull when the queue fills (the batch then ends `failed`)."""
+        lines = (line for line in lines if line.strip())
+        head: list[str | bytes] = []
+        if endpoint is None:
+            for line in lines:
+                head.append(line)
+                endpoint = _line_url(line)
+                if endpoint is not None:
+                    break
+        store = BatchStore(self.connection)
+        batch = store.begin(endpoint=endpoint or CHAT_URL, completion_window=completion_window, queue=self.queue,
+                            metadata=metadata, owner=owner, input_file_id=input_file_id, retention_s=retention_s)
+        deadline = datetime.fromtimestamp(batch.expires_at, timezone.utc)
+        queue_ttl = max(self.queue_ttl, batch.expires_at - batch.created_at + 60)
+        index, valid, first_error, models, rq_queues = 0, 0, None, set(), set()
+        chunk: list[tuple[int, str | None, GenerationRequest | None, str | None]] = []
+        for line in itertools.chain(head, lines):
+            try:
+                custom_id, request = parse_batch_line(_decoded(line), batch.endpoint)
+                request = request.model_copy(update={
+                    "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id), "deadline": deadline,
+                    "priority": priority})
+                chunk.append((index, custom_id, request, None))
+                models.add(request.model)
+                valid += 1
+            except BatchLineError as exc:
+                chunk.append((index, exc.custom_id, None, f"line {index + 1}: {exc}"))
+                first_error = first_error or chunk[-1][3]
+            index += 1
+            if len(chunk) == BATCH_CHUNK:
+                if not self._add_batch_chunk(store, batch, chunk, rq_queues, queue_ttl, retention_s):
+                    break
+                chunk = []
+        else:
+            if chunk:
+                self._add_batch_chunk(store, batch, chunk, rq_queues, queue_ttl, retention_s)
+        if len(models) == 1 and None not in models:
+            self.connection.hset(keys.batch_key(batch.id), "model", models.pop())
+        if index == 0:
+            return store.fail(batch.id, "empty_file", "The input file has no requests.")
+        if valid == 0:
+            return store.fail(batch.id, "invalid_file", f"No line of the input file is a valid request ({first_error}).")
+        return store.start(batch.id)
+
+    def _add_batch_chunk(self, store: BatchStore, batch: Batch, chunk: list, rq_queues: set[str], queue_ttl: int,
+                         retention_s: int) -> bool:
+        """Enqueue one chunk of a batch and store its lines' bookkeeping; False if the batch was cancelled."""
+        requests = [request for _, _, request, _ in chunk if request is not None]
+        prepared = [self._prepare(request, keys.batch_job_id(batch.id, request.batch.index), queue_ttl)
+                    for request in requests]
+        adding = Counter(name for name, _ in prepared)
+        try:
+            self._check_room(adding)
+        except QueueFull as exc:
+            store.fail(batch.id, "queue_full", str(exc))
+            raise QueueFull(f"batch {batch.id} failed: {exc}") from None
+        rq_queues.update(adding)
+        bad = {index: (custom_id, reason) for index, custom_id, _, reason in chunk if reason is not None}
+        with self.connection.pipeline() as pipe:
+            self._enqueue(pipe, requests, prepared)
+            store.add_lines(pipe, batch.id, chunk[0][0], [custom_id for _, custom_id, _, _ in chunk], bad,
+                            rq_queues, retention_s)
+            pipe.hget(keys.batch_key(batch.id), "status")
+            status = pipe.execute()[-1]
+        if status in (b"validating", "validating"):
+            return True
+        store.cancel(batch.id)  # cancelled while validating: sweep the jobs enqueued since
+        return False
+
+    def batch(self, batch_id: str, owner: str | None = None) -> Batch:
+        """The batch, with its status and request counts. Raise BatchNotFound (also for another owner's)."""
+        return BatchStore(self.connection).get(batch_id, owner)
+
+    def batches(self, owner: str | None = None, after: str | None = None, limit: int = 20) -> list[Batch]:
+        """Batches newest first (one owner's only, with `owner`); `after` pages on from a batch id."""
+        return BatchStore(self.connection).list(owner, after, limit)
+
+    def cancel_batch(self, batch_id: str, owner: str | None = None) -> Batch:
+        """Cancel the batch's queued jobs and stop its running ones; finished results stay downloadable."""
+        return BatchStore(self.connection).cancel(batch_id, owner)
+
+    def batch_output(self, batch_id: str, errors: bool = False, owner: str | None = None) -> Iterator[str]:
+        """The batch's output file (or error file) as JSON lines, in input order, as far as it has run."""
+        store = BatchStore(self.connection)
+        return store.lines(store.get(batch_id, owner), errors)  # a missing batch raises now, not at the first line
+
+    # ----- the completion feed and the models -----
+    def completions(self, group: str, consumer: str, *, batch_id: str | None = None,
+                    claim_idle_s: float = DEFAULT_CLAIM_IDLE_S, timeout: float | None = None) -> Iterator[Completion]:
+        """Every finished job of this client's queue (or of one batch), through a consumer group.
+
+        Each entry goes to one consumer of `group` and is acknowledged when the loop asks for the next
+        one; an entry a dead consumer held for `claim_idle_s` is delivered again to a live one. With
+        `timeout`, the iteration ends once nothing arrives for that long."""
+        if batch_id is not None:
+            self.batch(batch_id)  # no consumer group (and no stream) for a batch that does not exist
+        key = keys.batch_feed_key(batch_id) if batch_id is not None else keys.queue_feed_key(self.queue)
+        return follow(self.connection, key, group, consumer, claim_idle_s=claim_idle_s, timeout=timeout)
+
+    def models(self) -> list[str]:
+        """The models that live workers serve."""
+        return sorted({w.model for w in list_workers(self.connection)})
 
     # ----- helpers -----
     def _rq_queue(self, name: str) -> Queue:
@@ -310,6 +449,24 @@ def _as_request(request: GenerationRequest | str | dict) -> GenerationRequest:
     if isinstance(request, str):
         return GenerationRequest(prompt=request)
     return GenerationRequest.model_validate(request)
+
+
+def _decoded(line: str | bytes) -> str:
+    if isinstance(line, str):
+        return line
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BatchLineError(None, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _line_url(line: str | bytes) -> str | None:
+    """The url of a batch line, if it is one of the endpoints (the batch's endpoint when none was given)."""
+    try:
+        url = json.loads(line).get("url")
+    except (ValueError, AttributeError):
+        return None
+    return url if url in ENDPOINTS else None
 
 
 def _description(request: GenerationRequest) -> str:

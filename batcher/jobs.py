@@ -18,6 +18,7 @@ JOB_FUNCTION = "batcher.jobs.generate"
 # A worker holds each job it runs on a lease this long, renewed by heartbeats; when a worker dies, its
 # jobs are retried (RQ's Retry) about this long later.
 DEFAULT_LEASE_S = 10
+MAX_REASON_CHARS = 2000  # a failure reason is stored in Redis and printed by `batcher status`: keep it readable
 PLAIN_WORKER_MESSAGE = (
     "batcher jobs run only on a batcher worker, which batches many of them on one model: "
     "start one with `batcher worker --queue <queue> --model <model>` (a plain `rq worker` cannot run them)"
@@ -37,6 +38,14 @@ def generate(request: dict) -> dict:
     raise NeedsBatchWorker(PLAIN_WORKER_MESSAGE)
 
 
+def bounded_reason(reason: str) -> str:
+    """`reason`, cut to MAX_REASON_CHARS with a note of how much was left out."""
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    note = f" ... ({len(reason) - MAX_REASON_CHARS} more characters)"
+    return reason[: MAX_REASON_CHARS - len(note)] + note
+
+
 def job_argument(request: GenerationRequest) -> dict[str, Any]:
     return request.model_dump(mode="json")
 
@@ -51,3 +60,11 @@ def request_from_job(func_name: str | None, args: Any, kwargs: Any) -> Generatio
         return GenerationRequest.model_validate(args[0])
     except ValidationError as exc:
         raise InvalidJob(f"invalid request: {readable(exc)}") from None
+
+
+def request_of(job) -> GenerationRequest | None:
+    """The request an RQ job carries, or None when it carries no readable one (pickled, or invalid)."""
+    try:
+        return request_from_job(job.func_name, job.args, job.kwargs)
+    except Exception:  # noqa: BLE001  (RQ raises its own DeserializationError for pickled data)
+        return None

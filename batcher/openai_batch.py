@@ -17,22 +17,31 @@ COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                    "repetition_penalty")
-IGNORED_BODY_FIELDS = ("model", "n", "stream", "user")
+IGNORED_BODY_FIELDS = ("n", "stream", "user")
+ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
+MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
+MAX_PROBLEM_CHARS = 200
 
 
 def readable(exc: ValidationError) -> str:
-    """One line per problem, naming the field: what pydantic says, without its URLs."""
+    """What pydantic says, without its URLs: the first few problems, each naming its field, and how many
+    there were in all."""
+    errors = exc.errors()
     parts = []
-    for err in exc.errors():
+    for err in errors[:MAX_LISTED_PROBLEMS]:
         where = ".".join(str(p) for p in err["loc"]) or "request"
-        parts.append(f"{where}: {err['msg']}")
+        parts.append(f"{where}: {err['msg']}"[:MAX_PROBLEM_CHARS])
+    if len(errors) > MAX_LISTED_PROBLEMS:
+        parts.append(f"and {len(errors) - MAX_LISTED_PROBLEMS} more ({len(errors)} problems in all)")
     return "; ".join(parts)
 
 
-def parse_batch_line(line: str) -> tuple[str | None, GenerationRequest]:
-    """Parse one input line into `(custom_id, request)`; raise ValueError with a readable reason.
+def parse_batch_line(line: str, endpoint: str | None = None) -> tuple[str | None, GenerationRequest]:
+    """Parse one input line into `(custom_id, request)`; raise BatchLineError with a readable reason.
 
-    The custom_id is returned on the exception as `exc.custom_id` when it could be read."""
+    `body.model` becomes the request's model (the job runs on a worker serving it). With `endpoint`,
+    the line's url must be that one (a batch has one endpoint). The custom_id is returned on the
+    exception as `exc.custom_id` when it could be read."""
     custom_id = None
     try:
         obj = json.loads(line)
@@ -48,12 +57,16 @@ def parse_batch_line(line: str) -> tuple[str | None, GenerationRequest]:
         raise BatchLineError(custom_id, "method must be POST")
     if url not in (COMPLETIONS_URL, CHAT_URL):
         raise BatchLineError(custom_id, f"url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}")
+    if endpoint is not None and url != endpoint:
+        raise BatchLineError(custom_id, f"url must be the batch's endpoint {endpoint}, got {url}")
     if not isinstance(body, dict):
         raise BatchLineError(custom_id, "body must be a JSON object")
-    unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - {"prompt", "messages"}
+    unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - {"prompt", "messages", "model"}
     if unknown:
         raise BatchLineError(custom_id, f"unsupported body fields: {', '.join(sorted(unknown))}")
     request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
+    if body.get("model") is not None:
+        request["model"] = body["model"]
     if url == CHAT_URL:
         request["messages"] = body.get("messages")
     else:
@@ -74,23 +87,29 @@ class BatchLineError(ValueError):
         self.custom_id = custom_id
 
 
-def response_line(custom_id: str | None, result: GenerationResult) -> dict:
-    return {
-        "custom_id": custom_id,
-        "response": {
-            "status_code": 200,
-            "body": {
-                "choices": [{"index": 0, "text": result.text, "token_ids": result.token_ids,
-                             "finish_reason": result.finish_reason}],
-                "usage": {"prompt_tokens": result.usage.prompt_tokens,
-                          "completion_tokens": result.usage.completion_tokens,
-                          "total_tokens": result.usage.total_tokens,
-                          "prompt_tokens_details": {"cached_tokens": result.usage.cached_tokens}},
-            },
-        },
-        "error": None,
-    }
+def response_line(custom_id: str | None, result: GenerationResult, endpoint: str = COMPLETIONS_URL,
+                  request_id: str | None = None, created: int | None = None) -> dict:
+    """A successful output line; its body is the endpoint's OpenAI object (text_completion or chat.completion).
+
+    `token_ids` is our addition to a completion choice; OpenAI clients ignore unknown fields."""
+    usage = {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+             "total_tokens": result.usage.total_tokens,
+             "prompt_tokens_details": {"cached_tokens": result.usage.cached_tokens}}
+    if endpoint == CHAT_URL:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "finish_reason": result.finish_reason}
+        body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": result.text, "token_ids": result.token_ids, "logprobs": None,
+                  "finish_reason": result.finish_reason}
+        body = {"id": f"cmpl-{request_id}", "object": "text_completion"}
+    body.update(created=created, model=result.model, choices=[choice], usage=usage)
+    line = {"custom_id": custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body},
+            "error": None}
+    return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line
 
 
-def error_line(custom_id: str | None, message: str, code: str = "invalid_request") -> dict:
-    return {"custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+def error_line(custom_id: str | None, message: str, code: str = "invalid_request",
+               request_id: str | None = None) -> dict:
+    line = {"custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line

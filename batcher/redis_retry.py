@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -45,6 +46,8 @@ def retry_while_unreachable(call: Callable[..., T], *args, deadline: float | Non
         try:
             return call(*args, **kwargs)
         except REDIS_ERRORS as exc:
+            if isinstance(exc, AuthenticationError):  # a wrong password does not heal by waiting
+                raise
             delay = backoff.next()
             if deadline is not None and time.monotonic() + delay > deadline:
                 raise

@@ -18,6 +18,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_METADATA_ITEMS = 64
+MAX_MODEL_NAME_CHARS = 256
+MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
@@ -62,8 +64,20 @@ class ChatMessage(_Strict):
     content: str
 
 
+class BatchItem(_Strict):
+    """Where a job sits in a batch: the worker records its outcome under `index` (batcher/batches.py)."""
+
+    id: str
+    index: int = Field(ge=0)
+    custom_id: str | None = Field(None, max_length=MAX_CUSTOM_ID_CHARS)
+
+
 class GenerationRequest(_Strict):
-    """One generation: exactly one of `prompt`, `messages` or `prompt_token_ids`."""
+    """One generation: exactly one of `prompt`, `messages` or `prompt_token_ids`.
+
+    `model` routes the job to the workers that serve that model (None: any worker of the queue).
+    `chat` sends `prompt` as one user message through the model's chat template when it has one:
+    only the worker knows its tokenizer, and a job may wait in the queue before any worker is up."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
@@ -73,6 +87,9 @@ class GenerationRequest(_Strict):
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400, description="longest run time once admitted")
     deadline: datetime | None = Field(None, description="fail the job if it has not started by then")
     metadata: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=MAX_METADATA_ITEMS)
+    model: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
+    chat: bool = False
+    batch: BatchItem | None = None
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -86,6 +103,8 @@ class GenerationRequest(_Strict):
         given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of prompt, messages or prompt_token_ids (got {len(given)})")
+        if self.chat and self.prompt is None:
+            raise ValueError("chat applies to a prompt only (messages are always chat)")
         size = len(self.prompt.encode("utf-8", "surrogatepass")) if self.prompt is not None else 0
         size += sum(len(m.content.encode("utf-8", "surrogatepass")) for m in self.messages or ())
         if size > MAX_PROMPT_BYTES:
@@ -138,7 +157,8 @@ class StreamEvent(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     type: StreamEventType
-    execution_id: str | None = Field(None, description="None only on an end a reader infers from the job's status")
+    execution_id: str | None = Field(None, description="None only on an end written for an execution that is gone "
+                                                       "(by the worker that recovered its job, or inferred by a reader)")
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     index: int = 0

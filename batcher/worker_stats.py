@@ -26,6 +26,7 @@ class WorkerStats:
     kv_usage: float  # fraction of KV-cache blocks in use
     tokens_per_s: float  # generated since the previous heartbeat
     last_heartbeat: float  # time.time()
+    dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved); unknown from an older worker
     prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over those looked up, since start
 
     @property
@@ -41,7 +42,7 @@ class WorkerStats:
     @classmethod
     def from_hash(cls, raw: dict) -> WorkerStats:
         """Parse a hash as redis-py returns it (bytes or str); fields a newer worker added are ignored, and
-        those an older worker lacks take their defaults."""
+        fields an older worker did not publish take their default."""
         text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
                 for k, v in raw.items()}
         values = {}

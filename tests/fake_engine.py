@@ -74,6 +74,10 @@ class FakeEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._prefix_cache_stats
 
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
     def step(self) -> list[RequestOutput]:
         outputs = []
         for request_id, req in list(self._requests.items()):

@@ -4,15 +4,17 @@ import json
 import random
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from batcher.cli import main
 from batcher.config import EngineConfig
 from tests.jobs_support import claim_database, release_database
 from workers.bench.report import ModelCost, first_difference, percentiles
+from workers.bench.roofline import Roofline
 from workers.bench.run import run_bench
 from workers.bench.system import ALL_SYSTEMS, System
-from workers.bench.workload import WorkloadRequest, load_workload, shared_prefix_tokens
+from workers.bench.workload import WorkloadError, WorkloadRequest, load_workload, shared_prefix_tokens
 
 WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
             for i, (prompt_len, max_tokens) in enumerate([(9, 3), (21, 12), (5, 6), (14, 2), (30, 5)])]
@@ -24,7 +26,7 @@ WORKLOAD += [WorkloadRequest(5, "r5", 15, 4, 0.0, "doc", 12), WorkloadRequest(6,
 def report(tiny_model_dir):
     """Every system, the @redis ones through a database of the real Redis that only this module uses."""
     config = EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=2, max_num_batched_tokens=16,
-                          block_size=4, kv_cache_bytes=1 << 20)
+                          block_size=4, kv_cache_bytes=1 << 20, dtype="float32")
     url, connection = claim_database()
     try:
         yield run_bench(WORKLOAD, "tiny", [System.parse(s) for s in ALL_SYSTEMS], System.parse("batcher:static"),
@@ -65,9 +67,15 @@ def test_metrics_are_derived_from_per_token_times(report):
         assert s.ttft_s["p50"] <= s.ttft_s["max"] and s.itl_s["p50"] <= s.itl_s["max"]
         assert s.cumulative_tokens[-1][1] == s.generated_tokens
         assert 0 < s.mfu < 1 and s.peak_rss_mb > 0
+        assert 0 < s.pct_of_limit <= 100, s.system
+        in_process = s.system.startswith("batcher:") and not s.system.endswith("@redis")
+        assert (s.lone_decode_step_s is not None) == (in_process or s.system == "hf-naive")
         assert s.system in table
     assert report.system("batcher:static").mean_batch < report.system("batcher:continuous").mean_batch + 1e-9
-    assert json.loads(json.dumps(report.to_dict()))["baseline"] == "batcher:static"
+    as_json = json.loads(json.dumps(report.to_dict()))
+    assert as_json["baseline"] == "batcher:static" and as_json["dtype"] == "float32"
+    assert as_json["roofline"]["limit_s"] > 0 and "pct_of_limit" in as_json["systems"][0]
+    assert "% limit" in table and "roofline limit" in table and "weight-read floor" in table
 
 
 def test_a_disagreement_is_reported():
@@ -88,6 +96,18 @@ def test_model_cost_counts_weights_and_attention(tiny_model_dir):
     # 3 fed tokens, the first 2 from the prefix cache: only the third goes through the weights, over 3 keys
     assert cost.request_flops(3, 1, cached=2) == (2 * cost.matmul_params + 2 * cost.head_params
                                                   + 3 * cost.attention_flops_per_key)
+
+
+def test_roofline_counts_the_decode_steps_any_scheduler_needs_and_the_flops():
+    cost = ModelCost(matmul_params=1000, head_params=500, attention_flops_per_key=10)
+    # outputs 12+3+6+2+5+4+3 = 35: at 2 slots, 18 steps; at 32 slots the longest output, 12
+    for slots, steps in ((2, 18), (32, 12)):
+        roofline = Roofline.of(WORKLOAD, cost, torch.bfloat16, slots, matmul_flop_s=1e9, read_bytes_s=3e6)
+        # r6 need not compute the 12-token prefix it shares with r5
+        flops = sum(cost.request_flops(w.prompt_len, w.max_tokens, 12 if w.id == "r6" else 0) for w in WORKLOAD)
+        assert roofline.decode_steps == steps and roofline.weight_bytes == 1500 * 2
+        assert roofline.limit_s == pytest.approx(steps * 1e-3 + flops / 1e9)
+        assert roofline.pct_of_limit(2 * roofline.limit_s) == pytest.approx(50)
 
 
 def test_systems_are_named_as_on_the_command_line():
@@ -140,7 +160,7 @@ def test_shared_prefixes_are_drawn_as_the_shared_readme_says(tmp_path):
 def test_a_malformed_workload_line_is_named(tmp_path, line, reason):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"id": "ok", "prompt_len": 3, "max_tokens": 1}) + "\n" + json.dumps(line) + "\n")
-    with pytest.raises(ValueError, match=f"bad.jsonl, request 2: {reason}"):
+    with pytest.raises(WorkloadError, match=f"bad.jsonl: request 2 is not a workload request: {reason}"):
         load_workload(str(path))
     result = CliRunner().invoke(main, ["bench", "--workload", str(path)])
     assert result.exit_code != 0 and "request 2" in result.output
@@ -158,8 +178,9 @@ def test_cli_runs_systems_and_writes_json_and_plot(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     result = CliRunner().invoke(main, [
         "bench", "--model", str(tiny_model_dir("llama")), "--workload", str(workload), "--max-num-seqs", "2",
-        "--kv-cache-bytes", str(1 << 20), "--systems", "batcher:continuous,hf-naive", "--baseline", "hf-naive",
-        "--no-prefix-caching", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+        "--kv-cache-bytes", str(1 << 20), "--dtype", "float32", "--systems", "batcher:continuous,hf-naive",
+        "--baseline", "hf-naive", "--no-prefix-caching", "--json", str(tmp_path / "r.json"),
+        "--plot", str(tmp_path / "r.png")])
     assert result.exit_code == 0, result.output
     assert "batcher:continuous:no-prefix-caching" in result.output and "x hf-naive" in result.output
     systems = json.loads((tmp_path / "r.json").read_text())["systems"]
@@ -179,7 +200,7 @@ def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
     """Workloads generate exactly max_tokens: the model's default EOS must not end a row early."""
     from workers.bench.peers import load_hf_model, run_hf_naive
 
-    model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama"))))
+    model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32"))
     first = run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"]
     model.generation_config.eos_token_id = first[0]
     assert run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"] == first

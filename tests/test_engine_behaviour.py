@@ -177,3 +177,12 @@ def test_chat_messages_use_the_chat_template(llama):
     request = GenerationRequest(messages=[{"role": "user", "content": "hello"}], sampling=SamplingParams(max_tokens=2))
     expected = engine.loaded.tokenizer("<|user|>hello</s><|assistant|>")["input_ids"]
     assert engine.add("chat", request).prompt_token_ids == expected
+
+
+def test_a_chat_prompt_uses_the_template_when_the_model_has_one_and_goes_raw_otherwise(llama):
+    engine = engine_for(llama)
+    request = GenerationRequest(prompt="hello", chat=True, sampling=SamplingParams(max_tokens=2))
+    tokenizer = engine.loaded.tokenizer
+    assert engine.add("chat", request).prompt_token_ids == tokenizer("<|user|>hello</s><|assistant|>")["input_ids"]
+    tokenizer.chat_template = None
+    assert engine.add("raw", request).prompt_token_ids == tokenizer("hello")["input_ids"]

@@ -62,8 +62,8 @@ def test_a_plain_rq_worker_fails_the_job_and_says_to_run_batcher_worker(fake_red
     assert "batcher worker" in job.latest_result().exc_string
 
 
-def test_submit_enqueues_an_rq_job_with_json_retry_and_ttls(fake_redis):
-    client = Client(fake_redis, queue="jobs", result_ttl=111, failure_ttl=222, queue_ttl=333, max_retries=3)
+def test_submit_enqueues_an_rq_job_with_json_and_ttls(fake_redis):
+    client = Client(fake_redis, queue="jobs", result_ttl=111, failure_ttl=222, queue_ttl=333)
     request = GenerationRequest(prompt="Hello   there\nworld " * 10, priority=2, metadata={"user": "u1"})
     job_id = client.submit(request)
     job = Job.fetch(job_id, connection=fake_redis, serializer=JSONSerializer)
@@ -71,7 +71,7 @@ def test_submit_enqueues_an_rq_job_with_json_retry_and_ttls(fake_redis):
     assert job.args == (request.model_dump(mode="json"),) or job.args == [request.model_dump(mode="json")]
     assert job.kwargs == {} and job.meta == {}
     assert (job.result_ttl, job.failure_ttl, job.ttl) == (111, 222, 333)
-    assert job.retries_left == 3 and job.enqueue_at_front_on_retry
+    assert job.retries_left is None  # crash recovery is the worker's (workers/leases.py), not RQ's Retry
     assert job.description.startswith("generate: Hello there world") and len(job.description) < 80
     assert 0 < fake_redis.ttl(job.key) <= 333  # the queue TTL
     raw = fake_redis.hget(job.key, "data")
@@ -158,25 +158,29 @@ def test_stream_keeps_only_the_restarted_attempt(fake_redis):
         ("token", "e2", "cd"), ("done", "e2", "")]
 
 
-def test_cli_submit_file_enqueues_valid_lines_and_reports_bad_ones(fake_redis, monkeypatch, tmp_path):
+def test_cli_submit_file_creates_a_batch_whose_bad_lines_are_failed_requests(fake_redis, monkeypatch, tmp_path):
     monkeypatch.setattr(job_commands, "_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
     lines = [
         {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 4}},
         {"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "bogus": 1}},
         {"custom_id": "r3", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "yo"}], "temperature": 0}},
+        {"custom_id": "r4", "method": "POST", "url": "/v1/completions", "body": {"prompt": "there"}},
     ]
     path = tmp_path / "batch.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     result = CliRunner().invoke(main, ["submit", "--queue", "files", "--file", str(path)])
-    assert result.exit_code == 1
-    assert "line 2: unsupported body fields: bogus" in result.output
-    printed = [line.split("\t") for line in result.stdout.splitlines() if "\t" in line]
-    assert [custom for _, custom in printed] == ["r1", "r3"]
-    for job_id, custom_id in printed:
-        job = Job.fetch(job_id, connection=fake_redis, serializer=JSONSerializer)
-        assert job.args[0]["metadata"] == {"custom_id": custom_id}
-    assert Queue("files", connection=fake_redis).job_ids == [job_id for job_id, _ in printed]
+    assert result.exit_code == 0, result.output
+    batch_id = result.stdout.strip()
+    assert "4 requests (2 bad lines), in_progress" in result.stderr
+    client = Client(fake_redis, queue="files")
+    assert Queue("files", connection=fake_redis).job_ids == [keys.batch_job_id(batch_id, i) for i in (0, 3)]
+    job = Job.fetch(keys.batch_job_id(batch_id, 3), connection=fake_redis, serializer=JSONSerializer)
+    assert job.args[0]["batch"] == {"id": batch_id, "index": 3, "custom_id": "r4"}
+    errors = [json.loads(line) for line in client.batch_output(batch_id, errors=True)]
+    assert [e["custom_id"] for e in errors] == ["r2", "r3"]
+    assert "line 2: unsupported body fields: bogus" in errors[0]["error"]["message"]
+    assert "the batch's endpoint /v1/completions" in errors[1]["error"]["message"]
 
 
 def test_cli_submit_needs_exactly_one_input():

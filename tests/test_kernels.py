@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import (decode_attention, length_bias, paged_decode_attention, prefill_attention,
+from kernels.attention import (decode_attention, gather_blocks, length_bias, paged_decode_attention, prefill_attention,
                                shared_prefix_decode_attention, write_kv)
 
 
@@ -101,6 +101,13 @@ def test_shared_prefix_decode_matches_the_reference(window, dtype):
     assert got.dtype == dtype
     tolerance = {} if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got.float(), want, **tolerance)
+
+
+def test_gathering_whole_blocks_equals_indexing_each_slot():
+    cache = torch.randn(10 * 4, 2, 8)
+    blocks = torch.tensor([7, 2, 9])
+    slots = torch.tensor([b * 4 + i for b in blocks.tolist() for i in range(4)])
+    assert torch.equal(gather_blocks(cache, blocks, 4), cache[slots])
 
 
 def test_transformers_loads_a_model_with_our_kernels_package_importable(tiny_model_dir):

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
 from workers.engine import build_engine
+from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
 from workers.metrics import DEFAULT_METRICS_ADDR, FINISHED_REASONS, EngineMetrics
 
 NUM_REQUESTS = 5
@@ -25,6 +26,7 @@ EXPECTED_METRICS = {
     "batcher_num_requests_running": ("gauge", {"model_name"}),
     "batcher_num_requests_waiting": ("gauge", {"model_name"}),
     "batcher_kv_cache_usage_perc": ("gauge", {"model_name"}),
+    "batcher_engine_info": ("gauge", {"model_name", "dtype"}),
     "batcher_queue_depth": ("gauge", {"queue"}),
     "batcher_time_to_first_token_seconds": ("histogram", {"model_name"}),
     "batcher_inter_token_latency_seconds": ("histogram", {"model_name"}),
@@ -46,7 +48,8 @@ def engine(tiny_model_dir):
     # 3 slots for 5 requests, so some wait; 10 blocks of 4 tokens hold 3 prompts (sharing two blocks)
     # but not their outputs, so decoding preempts.
     return build_engine(EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=3, block_size=BLOCK_SIZE,
-                                     num_blocks=10, max_num_batched_tokens=32, device="cpu"))
+                                     num_blocks=10, max_num_batched_tokens=32, device="cpu",
+                                     dtype="float32"))
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -75,6 +78,8 @@ def test_names_types_and_labels(engine):
     assert reasons == set(FINISHED_REASONS) == {"stop", "length", "cancelled", "timeout", "error"}
     model_names = {s.labels.get("model_name") for f in registry.collect() for s in f.samples} - {None}
     assert model_names == {engine.loaded.name}
+    info = [s for f in registry.collect() if f.name == "batcher_engine_info" for s in f.samples]
+    assert [(s.labels["dtype"], s.value) for s in info] == [("float32", 1.0)]
 
 
 def test_unknown_finish_reason_is_refused(engine):
@@ -153,3 +158,34 @@ def test_http_scrape_while_requests_run(engine):
     assert value(after, "batcher_num_requests_running", model_name=model) == 0
     assert value(after, "batcher_num_requests_waiting", model_name=model) == 0
     assert value(after, "batcher_kv_cache_usage_perc", model_name=model) == 0
+
+
+@pytest.mark.usefixtures("keep_signal_handlers")
+def test_a_worker_counts_every_token_of_every_job_exactly(tiny_model_dir):
+    """Jobs of 1, 2, 3 and 10 tokens through a worker: one time to first token each, `tokens - 1` gaps each,
+    and the token counters equal the jobs' usage (the last token of a job counts too)."""
+    from batcher.client import Client
+    from tests.jobs_support import embedded_redis
+    from workers.rq_worker import BatchWorker
+
+    connection = embedded_redis()
+    engine = build_engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu"))
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(engine, registry)
+    client = Client(connection, queue="m")
+    lengths = [1, 2, 3, 10]
+    ids = client.submit_many([GenerationRequest(prompt_token_ids=[5 + i] * (3 + i),
+                                                sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+                              for i, n in enumerate(lengths)])
+    BatchWorker(["m"], engine, connection=connection, **metrics.worker_hooks()).work(burst=True)
+    usages = [client.result(job_id, timeout=10).usage for job_id in ids]
+
+    def sample(name: str, **labels) -> float:
+        return registry.get_sample_value(name, {"model_name": engine.loaded.name, **labels})
+
+    assert sample("batcher_time_to_first_token_seconds_count") == len(lengths)
+    assert sample("batcher_inter_token_latency_seconds_count") == sum(n - 1 for n in lengths)
+    assert sample("batcher_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert sample("batcher_generation_tokens_total") == sum(u.completion_tokens for u in usages) == sum(lengths)
+    assert sample("batcher_request_success_total", finished_reason="length") == len(lengths)
+    assert sample("batcher_e2e_request_latency_seconds_count") == len(lengths)

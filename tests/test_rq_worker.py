@@ -3,6 +3,7 @@ results, failures, stop-job, timeouts, drain, requeue, leases and recovery."""
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import datetime, timedelta, timezone
 
@@ -41,6 +42,14 @@ def fetch(connection, job_id) -> Job:
 
 def request(prompt="hi", max_tokens=3, **fields) -> dict:
     return {"prompt": prompt, "sampling": {"max_tokens": max_tokens}, **fields}
+
+
+def expire_leases(connection) -> None:
+    """What the passing of time does to a dead worker's leases: the keys expire, the index entries fall due."""
+    for key in connection.keys("batcher:lease:*"):
+        connection.delete(key)
+    for index in connection.keys("batcher:leases:*"):
+        connection.zadd(index, {member: 0 for member in connection.zrange(index, 0, -1)})
 
 
 def test_jobs_run_as_rq_jobs_with_results_registries_and_streams(fake_redis):
@@ -185,7 +194,9 @@ def test_first_signal_drains_second_requeues_at_the_front(fake_redis):
     assert Queue(Q, connection=fake_redis).job_ids == ids[2:] + more  # back at the front, in order
     for job_id in ids[2:]:
         job = fetch(fake_redis, job_id)
-        assert job.get_status() == JobStatus.QUEUED and job.retries_left == 2  # no retry used
+        assert job.get_status() == JobStatus.QUEUED
+        assert int(fake_redis.get(keys.attempts_key(job_id))) == 0  # a requeue is not an attempt
+        assert not fake_redis.exists(keys.lease_key(job_id))
         assert job.latest_result() is None
     assert StartedJobRegistry(Q, connection=fake_redis).count == 0
     assert not fake_redis.keys("rq:execution:*")
@@ -203,11 +214,8 @@ def test_a_job_whose_lease_was_lost_is_not_recorded(fake_redis):
     ends = []
 
     def on_step(worker, outputs):
-        if worker.engine.step_index == 2:  # another worker's cleanup took the job away
-            registry = StartedJobRegistry(Q, connection=fake_redis)
-            for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
-                if job_id == taken:
-                    fake_redis.zrem(registry.key, f"{job_id}:{execution_id}")
+        if worker.engine.step_index == 2:  # the lease expired and another worker took the job over
+            fake_redis.set(keys.lease_key(taken), "another-execution")
 
     make_worker(fake_redis, on_step=on_step, on_job_end=lambda w, end: ends.append(end)).work(burst=True)
     assert {e.job_id: e.status for e in ends} == {taken: "lost", kept: "finished"}
@@ -230,19 +238,21 @@ def test_a_dead_workers_jobs_are_retried_once_with_a_restart(fake_redis):
     with pytest.raises(Killed):
         make_worker(fake_redis, on_step=die).work()
     registry = StartedJobRegistry(Q, connection=fake_redis)
-    entries = fake_redis.zrange(registry.key, 0, -1)
-    assert len(entries) == 3
-    fake_redis.zadd(registry.key, {e: 1 for e in entries})  # the leases ran out
+    dead = dict(registry.get_job_and_execution_ids(cleanup=False))
+    assert sorted(dead) == sorted(ids)
+    expire_leases(fake_redis)
 
     make_worker(fake_redis).work(burst=True)
     for job_id in ids:
         job = fetch(fake_redis, job_id)
         assert client.result(job_id, timeout=10).text == expected_text(6)
         assert [r.type for r in job.results()] == [Result.Type.SUCCESSFUL]
-        assert job.retries_left == 1
+        assert job.latest_result().execution_id != dead[job_id]
         stream = events(fake_redis, job_id)
         assert [e.type for e in stream][:2] == ["restart", "start"]  # the lost attempt's tokens are gone
+        assert {e.execution_id for e in stream} == {job.latest_result().execution_id}
         assert "".join(e.text for e in stream) == expected_text(6)
+    assert registry.count == 0 and not fake_redis.keys("batcher:lease*") and not fake_redis.keys("batcher:attempts:*")
 
 
 def test_suspend_stops_admission_until_resume(fake_redis):
@@ -313,6 +323,31 @@ def test_job_ids_without_a_readable_job_are_dropped_and_the_worker_goes_on(fake_
     make_worker(fake_redis).work(burst=True)
     assert client.result(good, timeout=10).text == expected_text(2)
     assert queue.job_ids == [] and fake_redis.llen(queue.intermediate_queue_key) == 0
+
+
+def test_a_batch_and_the_feed_are_written_in_the_transaction_that_records_each_result(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    lines = [f'{{"custom_id": "c{i}", "method": "POST", "url": "/v1/completions", '
+             f'"body": {{"prompt": "p{i}", "max_tokens": {2 + i}}}}}' for i in range(3)] + ["not json"]
+    batch = client.create_batch(lines)
+    plain = client.submit(request(max_tokens=2))
+    make_worker(fake_redis).work(burst=True)
+    done = client.batch(batch.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 1)
+    out = [line for line in client.batch_output(batch.id)]
+    assert [json.loads(o)["response"]["body"]["choices"][0]["text"] for o in out] == [expected_text(n) for n in (2, 3, 4)]
+    feed = [c.job_id for c in client.completions("g", "c", timeout=0.1)]
+    assert sorted(feed) == sorted([plain, *(keys.batch_job_id(batch.id, i) for i in range(4))])
+
+
+def test_a_worker_takes_jobs_for_its_model_and_jobs_for_any_model_but_not_another_models(fake_redis):
+    client = Client(fake_redis, queue=Q)
+    mine, anyone, other = client.submit_many([request(model="m1"), request(), request(model="m2")])
+    worker = BatchWorker(keys.priority_queue_names([Q], model="m1"), FakeEngine(), connection=fake_redis,
+                         model_name="m1")
+    worker.work(burst=True)
+    assert client.result(mine, timeout=5).model == "m1" and client.result(anyone, timeout=5).model == "m1"
+    assert fetch(fake_redis, other).get_status() == JobStatus.QUEUED
 
 
 def test_heartbeat_publishes_the_workers_figures(fake_redis):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -87,6 +87,11 @@ class Engine:
         return self.scheduler.prefix_cache_stats
 
     @property
+    def dtype(self) -> str:
+        """The dtype the model runs in (never "auto": `build_engine` resolves it)."""
+        return self.config.dtype
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -143,10 +148,12 @@ class Engine:
         tokenizer = self.loaded.tokenizer
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        if request.messages is not None:
-            if not getattr(tokenizer, "chat_template", None):
-                raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
-            messages = [m.model_dump() for m in request.messages]
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if request.messages is not None and not has_template:
+            raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
+        if request.messages is not None or (request.chat and has_template):
+            messages = ([m.model_dump() for m in request.messages] if request.messages is not None
+                        else [{"role": "user", "content": request.prompt}])
             return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                       return_dict=True)["input_ids"])
         return list(tokenizer(request.prompt)["input_ids"])
@@ -242,9 +249,11 @@ class Engine:
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    """Load `config.model` and build an engine around it."""
+    """Load `config.model` and build an engine around it, with `dtype="auto"` resolved (and logged)."""
     from workers.models import load_model
-    from workers.runner import DTYPES
+    from workers.precision import DTYPES, resolve_dtype
+    from workers.runner import resolve_device
 
     torch.set_grad_enabled(False)
+    config = replace(config, dtype=resolve_dtype(config.dtype, resolve_device(config.device)))
     return Engine(load_model(config.model, DTYPES[config.dtype]), config)

@@ -103,3 +103,7 @@ class EngineProtocol(Protocol):
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prompt tokens looked up in the prefix cache, and found there, since the engine started."""
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in, e.g. "bfloat16" (never "auto")."""

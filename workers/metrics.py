@@ -8,7 +8,8 @@ restarted worker does not start new series.
 The worker calls, from its engine loop:
   - `observe_added(seq)` for each request it adds to the engine (`Engine.add` returns `seq`),
   - `observe_step(outputs)` after each `Engine.step()`,
-  - `observe_finished(request_id, reason, ...)` once for each request that ends, however it ends,
+  - `observe_finished(request_id, reason, ...)` once for each request that ends, however it ends (before or
+    after the step that produced its last token is observed: either way that token counts),
   - `set_queue_depth(queue, n)` whenever it has read a queue's length.
 The gauges of the engine's state, and the prefix cache's counters (kept by the scheduler), are read
 when Prometheus scrapes, so they cost the loop nothing and stay right while the engine is idle.
@@ -84,6 +85,7 @@ class EngineMetrics:
         self.registry = REGISTRY if registry is None else registry
         self._engine = engine
         self._tracked: dict[str, _Tracked] = {}
+        self._finished: set[str] = set()  # ended, tracked until the step that produced their last token is observed
         self._last_step_seen: int | None = None
         model = engine.loaded.name
 
@@ -103,6 +105,8 @@ class EngineMetrics:
         gauge("batcher_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).").set_function(
             lambda: engine.kv_cache_usage)
         self.registry.register(_PrefixCacheCollector(engine))
+        Gauge("batcher_engine_info", "How the engine runs, as labels (the value is 1): the dtype of the model.",
+              [MODEL_LABEL, "dtype"], registry=self.registry).labels(model, engine.dtype).set(1)
         self._queue_depth = Gauge("batcher_queue_depth", "Jobs waiting in a Redis queue, as this worker last read it.",
                                   ["queue"], registry=self.registry)
 
@@ -128,7 +132,7 @@ class EngineMetrics:
         success = Counter("batcher_request_success_total", "Requests that ended, by finish reason.",
                           [MODEL_LABEL, "finished_reason"], registry=self.registry)
         # Every reason exists from the start at 0, so rate() sees the first request of each.
-        self._finished = {reason: success.labels(model, reason) for reason in FINISHED_REASONS}
+        self._by_reason = {reason: success.labels(model, reason) for reason in FINISHED_REASONS}
 
     def observe_added(self, seq: Sequence) -> None:
         """Start timing a request that has just been added to the engine."""
@@ -163,6 +167,9 @@ class EngineMetrics:
             tracked.last_token_time = now
         if generated:
             self._generation_tokens.inc(generated)
+        for request_id in self._finished:
+            self._tracked.pop(request_id, None)
+        self._finished.clear()
 
     def observe_finished(self, request_id: str, reason: str, queue_s: float | None = None,
                          e2e_s: float | None = None) -> None:
@@ -171,10 +178,10 @@ class EngineMetrics:
         `queue_s` (to admission) and `e2e_s` (to the end) are measured from the job's enqueue in
         Redis; None when unknown, as for a job that failed before it was admitted.
         """
-        if reason not in self._finished:
+        if reason not in self._by_reason:
             raise ValueError(f"unknown finish reason {reason!r}; expected one of {', '.join(FINISHED_REASONS)}")
-        self._tracked.pop(request_id, None)
-        self._finished[reason].inc()
+        self._finished.add(request_id)
+        self._by_reason[reason].inc()
         if queue_s is not None:
             self._queue_time.observe(queue_s)
         if e2e_s is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from batcher.errors import BatcherError
 from kernels.attention import ATTENTION_NAME, paged_attention
 
 SMOLLM2 = "smollm2"
@@ -31,7 +32,7 @@ UNSUPPORTED_ATTENTION_FEATURES = {
 UNSUPPORTED_MODEL_TYPES = {"gpt_oss": "attention sinks"}
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(BatcherError, RuntimeError):
     """A model that cannot be found, loaded or served, with the reason why."""
 
 
@@ -87,7 +88,9 @@ def resolve(spec: str) -> str:
         return str(smollm2_checkpoint())
     path = Path(spec).expanduser()
     if path.exists() and not path.is_dir():
-        raise ModelLoadError(f"model {spec!r} is a file; give a model folder, a hub id or {SMOLLM2!r}")
+        raise ModelLoadError(f"cannot load model {spec!r}: it is a file; give a model folder, a hub id or {SMOLLM2!r}")
+    if not path.exists() and spec.startswith(("/", ".", "~")):  # a path, not a hub id
+        raise ModelLoadError(f"cannot load model {spec!r}: there is no such folder")
     return str(path) if path.is_dir() else spec
 
 

@@ -8,28 +8,43 @@ The facts this module relies on are in docs/rq-internals.md.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import redis
 from redis import Redis
 from rq import worker_registration
 from rq.command import handle_command, parse_payload
 from rq.defaults import DEFAULT_FAILURE_TTL
-from rq.exceptions import DequeueTimeout, DeserializationError
+from rq.exceptions import DequeueTimeout, DeserializationError, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import WORKERS_SUSPENDED
-from rq.utils import current_timestamp, get_version, now
+from rq.utils import get_version, now
 from rq.worker import BaseWorker, WorkerStatus
 
 # The worker module takes RQ's public names from here too, so that it never imports rq itself.
-__all__ = ["BaseBatchWorker", "DeserializationError", "Execution", "Job", "Queue", "WORKERS_SUSPENDED",
-           "WorkerStatus", "current_timestamp", "get_version", "now", "pin_server_version"]
+__all__ = ["BaseBatchWorker", "DeserializationError", "Execution", "Job", "NoSuchJobError", "Queue",
+           "WORKERS_SUSPENDED", "WorkerStatus", "get_version", "pin_server_version"]
 
 SERVER_VERSION_ATTR = "__rq_redis_server_version"  # where RQ caches the server version it read with INFO
+# How long RQ's started registry believes a batcher execution lasts without a renewal. Batcher's own lease
+# (workers.leases) is seconds long and its recovery acts on that; RQ's cleanup (`rq info`, another RQ worker's
+# maintenance) only sees executions whose every batcher worker has been gone this long.
+RQ_REGISTRY_HORIZON_S = 3600
+PUBSUB_RETRY_S = 2.0  # RQ's own pause before its command thread reconnects
+# KEYS: an intermediate list, its queue. ARGV: a job id. Moves the job back to the front, if it is still taken.
+REQUEUE_TAKEN_LUA = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('LPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
 
 
 def pin_server_version(connection: Redis, version: tuple[int, int, int]) -> None:
@@ -77,6 +92,16 @@ class BaseBatchWorker(BaseWorker):
         """Called from the pubsub thread when RQ's stop-job command names `job_id`."""
         raise NotImplementedError
 
+    def _pubsub_exception_handler(self, exc: Exception, pubsub, pubsub_thread) -> None:
+        """Keep RQ's command thread alive through any Redis fault: RQ's own handler retries a connection
+        error but lets a timeout (a Redis that stopped answering) end the thread, and drains with it."""
+        if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+            self.log.warning("worker %s: command channel lost (%s); reconnecting in %.0f s", self.name, exc,
+                             PUBSUB_RETRY_S)
+            time.sleep(PUBSUB_RETRY_S)
+        else:
+            raise exc
+
     # ----- taking and starting jobs -----
     def take(self, queue: Queue, n: int) -> list[str]:
         """Up to `n` job ids from one queue, each moved (LMOVE) into the queue's intermediate list: a job
@@ -96,17 +121,52 @@ class BaseBatchWorker(BaseWorker):
             return None
         return got[0] if got else None
 
+    def stranded(self, queues: list[Queue]) -> dict[Queue, list[str]]:
+        """The job ids waiting in each queue's intermediate list: taken, not started (yet)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.lrange(queue.intermediate_queue_key, 0, -1)
+            lists = pipe.execute()
+        return {queue: [i.decode() if isinstance(i, bytes) else i for i in ids] for queue, ids in zip(queues, lists)
+                if ids}
+
+    def requeue_stranded(self, queue: Queue, job_ids: list[str], grace_s: float) -> int:
+        """Put back at the front of `queue` the taken jobs seen in its intermediate list for `grace_s` or more: their
+        worker died between taking and starting them. RQ's first-seen markers time them; the move is one script,
+        so a job is requeued once. Returns how many."""
+        intermediate, moved = queue.intermediate_queue, 0
+        for job_id in job_ids:
+            if intermediate.set_first_seen(job_id):
+                continue
+            first_seen = intermediate.get_first_seen(job_id)
+            if first_seen is None or (now() - first_seen).total_seconds() < grace_s:
+                continue
+            moved += self.connection.eval(REQUEUE_TAKEN_LUA, 2, queue.intermediate_queue_key, queue.key, job_id)
+            self.connection.delete(intermediate.get_first_seen_key(job_id))
+        return moved
+
     def drop_taken(self, queue: Queue, job_id: str) -> None:
         """Forget a taken job that nothing can run (deleted meanwhile, or unreadable)."""
         self.connection.lrem(queue.intermediate_queue_key, 1, job_id)
 
-    def start_execution(self, pipe, job: Job, queue: Queue, lease_s: int) -> Execution:
-        """Queue, on a MULTI pipeline, what starts `job` as an Execution of this worker under a lease."""
-        execution = Execution.create(job, lease_s, pipeline=pipe, worker_name=self.name)
+    def start_on(self, pipe, job: Job, queue: Queue) -> Execution:
+        """Queue, on a MULTI pipeline, what starts `job` as an Execution of this worker.
+
+        RQ's started registry gets a long lease (RQ_REGISTRY_HORIZON_S): the real lease is batcher's own
+        (`workers.leases`), and RQ's cleanup must never race batcher's recovery for the same job."""
+        execution = Execution.create(job, RQ_REGISTRY_HORIZON_S, pipeline=pipe, worker_name=self.name)
         job.prepare_for_execution(self.name, pipeline=pipe)
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
         pipe.persist(job.key)  # the queue TTL no longer applies
         return execution
+
+    @staticmethod
+    def keep_started_on(pipe, queue: Queue, execution: Execution) -> None:
+        """Queue a renewal of the execution's entry in RQ's started registry (ZADD XX: never revived)."""
+        execution.heartbeat(queue.started_job_registry, RQ_REGISTRY_HORIZON_S, pipeline=pipe)
+
+    def execution_of(self, job: Job, execution_id: str) -> Execution:
+        return Execution(id=execution_id, job_id=job.id, connection=self.connection)
 
     def result_ttl(self, job: Job) -> int:
         return job.get_result_ttl(self.default_result_ttl)
@@ -115,72 +175,42 @@ class BaseBatchWorker(BaseWorker):
     def failure_ttl(job: Job) -> int:
         return job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
 
-    # ----- leases -----
-    @staticmethod
-    def read_lease(pipe, queue: Queue, execution: Execution) -> None:
-        """Queue a read of an execution's lease: its score (expiry timestamp) in the started registry, or None."""
-        pipe.zscore(queue.started_job_registry.key, execution.composite_key)
-
-    @staticmethod
-    def extend_lease(pipe, queue: Queue, execution: Execution, lease_s: int) -> None:
-        """Queue a lease extension (ZADD XX: a lease already gone is never revived)."""
-        execution.heartbeat(queue.started_job_registry, lease_s, pipeline=pipe)
-
-    @staticmethod
-    def read_first_expired(pipe, queue: Queue) -> None:
-        """Queue a read of one expired lease of `queue`, if any."""
-        pipe.zrangebyscore(queue.started_job_registry.key, 0, current_timestamp(), start=0, num=1)
-
-    def recover_expired(self, queue: Queue) -> bool:
-        """Retry (or fail, once out of retries) the jobs of `queue` whose lease expired; False if another
-        worker holds the cleaning lock right now."""
-        with self.maintenance_lock(queue) as held:
-            if held:
-                queue.started_job_registry.cleanup()
-            return held
-
-    # ----- recording a job's end -----
-    def record_success(self, job: Job, queue: Queue, execution: Execution, return_value: dict) -> None:
-        """Write the job's Result and registries through RQ's success handler."""
+    # ----- ending a job: what RQ's handlers write, queued on the caller's transaction -----
+    def success_on(self, pipe, job: Job, queue: Queue, execution: Execution, return_value: dict) -> None:
+        """Queue what RQ's success handler writes: the Result, the finished registry, the job's status and TTL."""
         job.ended_at = now()
         job._result = return_value
-        job._status = JobStatus.FINISHED
-        with self._as_current(execution):
-            self.handle_job_success(job, queue, queue.started_job_registry)
+        result_ttl = self.result_ttl(job)
+        job.set_status(JobStatus.FINISHED, pipeline=pipe)
+        if result_ttl != 0:
+            job._handle_success(result_ttl, pipeline=pipe, worker_name=self.name, execution_id=execution.id,
+                                execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        execution.delete(job=job, pipeline=pipe)
+        self.increment_successful_job_count(pipeline=pipe)
+        if job.started_at:
+            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
 
-    def record_failure(self, job: Job, queue: Queue, execution: Execution, reason: str, stopped: bool) -> None:
-        """Write the job's failure through RQ's failure handler, without a retry: `stopped` marks a job
-        cancelled by a stop-job command; any other failure is the request's own and would fail again
-        (retries are for lost workers)."""
+    def failure_on(self, pipe, job: Job, queue: Queue, execution: Execution, reason: str, stopped: bool) -> None:
+        """Queue what RQ's failure handler writes, without a retry: the failed registry, a failed Result and the
+        job's status, STOPPED for a job cancelled by a stop-job command. A failure is the request's own and would
+        happen again (a lost worker is not a failure: its job is requeued by `requeue_on`)."""
         job.ended_at = now()
         if not stopped:
             job.retries_left = 0
-        job._status = JobStatus.FAILED
-        with self._as_current(execution):
-            if stopped:
-                self._stopped_job_id = job.id  # the handler then marks it stopped
-            try:
-                self.handle_job_failure(job, queue, queue.started_job_registry, exc_string=reason)
-            finally:
-                self._stopped_job_id = None
+        job.set_status(JobStatus.STOPPED if stopped else JobStatus.FAILED, pipeline=pipe)
+        execution.delete(job=job, pipeline=pipe)
+        job._handle_failure(reason, pipeline=pipe, worker_name=self.name, execution_id=execution.id,
+                            execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+        self.increment_failed_job_count(pipe)
+        if job.started_at:
+            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
 
-    @contextmanager
-    def _as_current(self, execution: Execution) -> Iterator[None]:
-        """RQ's handlers read the worker's single current execution: lend them this job's, one at a time."""
-        self.execution = execution
-        try:
-            yield
-        finally:
-            self.execution = None
-
-    def requeue_at_front(self, in_flight: list[tuple[Job, Queue, Execution]]) -> None:
-        """Put jobs in flight back at the front of their queues, in their order, without using a retry."""
-        with self.connection.pipeline() as pipe:
-            pipe.multi()  # enqueue_job wants the pipeline in MULTI before it is given commands
-            for job, queue, execution in reversed(in_flight):
-                execution.delete(job=job, pipeline=pipe)
-                queue.enqueue_job(job, pipeline=pipe, at_front=True)
-            pipe.execute()
+    @staticmethod
+    def requeue_on(pipe, job: Job, queue: Queue, execution: Execution) -> None:
+        """Queue the end of an execution and the job's return to the front of its queue, without using a retry."""
+        execution.delete(job=job, pipeline=pipe)
+        queue.enqueue_job(job, pipeline=pipe, at_front=True)
 
     # ----- maintenance -----
     def clean_registries(self) -> None:
@@ -192,7 +222,7 @@ class BaseBatchWorker(BaseWorker):
                 if held:
                     clean_registries(queue, self._exc_handlers)
                     worker_registration.clean_worker_registry(queue)
-                    queue.intermediate_queue.cleanup(self, queue)
+                    # Not RQ's intermediate-queue cleanup: it fails a stranded job (`requeue_stranded` requeues it).
         self.last_cleaned_at = now()
 
     @contextmanager

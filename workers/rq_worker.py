@@ -5,21 +5,20 @@ Its own loop replaces RQ's one-job-at-a-time `work()`. Each iteration:
   reliable dequeue and starts each as its own RQ Execution; it blocks on Redis only when the engine is idle;
 - steps the engine once and queues every sequence's stream events (workers/streams.py writes them in
   one pipeline);
-- ends the jobs that ended: after checking that this worker still holds each one's lease, it writes the
-  last stream events, then records the result through RQ's handlers.
+- ends the jobs that ended: their last stream events, their result and the release of their lease go in
+  one transaction, which Redis applies only while this worker still holds the lease.
 
-Everything that changes a job happens on the loop's thread, so RQ's handlers, which assume a single
-current job, run one at a time. The RQ side lives in `workers.rq_adapter`; the lease keeper
-(`workers.lease_keeper`) extends the leases from a thread of its own, whatever the engine is doing.
+Every write of a job is fenced by its lease on the Redis side (`workers.leases`): a worker that lost a
+job's lease (cut off from Redis for longer than it) writes nothing more of it. The RQ side lives in
+`workers.rq_adapter`; the lease keeper renews the leases from a thread of its own, whatever the engine is
+doing, and recovers the jobs of dead workers.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -32,24 +31,29 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from batcher import keys
-from batcher.jobs import DEFAULT_LEASE_S, InvalidJob, request_from_job
+from batcher.batches import record_job_end
+from batcher.jobs import DEFAULT_LEASE_S, InvalidJob, bounded_reason, request_from_job
 from batcher.redis_retry import REDIS_ERRORS, Backoff, retry_while_unreachable
 from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest, GenerationResult, Timings
-from batcher.worker_stats import WorkerState, WorkerStats
 from workers.engine_api import EngineProtocol, RequestError, RequestOutput
-from workers.lease_keeper import HEARTBEATS_PER_LEASE, LeaseKeeper
+from workers.leases import LeaseKeeper, claim_on, fenced, release_on
 from workers.rq_adapter import (WORKERS_SUSPENDED, BaseBatchWorker, DeserializationError, Execution, Job, Queue,
-                                WorkerStatus, current_timestamp, get_version)
+                                WorkerStatus, get_version)
+from workers.stats_publisher import StatsPublisher
 from workers.streams import StreamWriter
 
 log = logging.getLogger(__name__)
 
-STATS_TTL_LEASES = 2  # a worker's published stats outlive one missed heartbeat, not a dead worker
 DEFAULT_MAINTENANCE_INTERVAL_S = 60  # RQ's full registry maintenance (intermediate lists, dead workers)
 IDLE_WAIT_S = 1  # the longest an idle worker blocks on Redis (or waits while suspended)
 BUSY_RESCAN_S = 0.02  # a busy worker that found nothing to admit looks again after this long, not every step
 MIN_REDIS_VERSION = (6, 2, 0)  # LMOVE, which RQ's reliable dequeue needs
+# A Redis that stops answering (a partition, a frozen server) must not hang the worker: every command gives up
+# after this long, longer than the longest blocking read (IDLE_WAIT_S), and the loop backs off and retries.
+SOCKET_TIMEOUT_S = 5.0
+CANCELLED_BEFORE_START = "cancelled before it started"
+TERMINAL_STATUSES = ("finished", "failed", "stopped", "canceled")
 PICKLED_JOB_REASON = (
     "the job data is not JSON; it was probably enqueued with RQ's default pickle serializer. Enqueue with "
     "serializer=rq.serializers.JSONSerializer (a batcher worker never unpickles job data)"
@@ -90,6 +94,7 @@ class InFlight:
     failure_ttl: int
     timeout_at: float | None = None
     first_token_at: float | None = None
+    request: GenerationRequest | None = None  # None until decoded, or if the job carries no valid request
     end: JobEnd | None = None
     end_order: int = 0  # jobs that ended in the same iteration are recorded in the order they ended
     end_event_buffered: bool = False
@@ -98,6 +103,7 @@ class InFlight:
     def ended(self, status: EndStatus, result: GenerationResult | None = None, reason: str | None = None) -> None:
         """Note how the job ended; the first end wins."""
         if self.end is None:
+            reason = None if reason is None else bounded_reason(reason)
             self.end = JobEnd(self.job.id, self.execution.id, self.queue.name, status, result, reason)
             self.end_order = next(_END_ORDER)
 
@@ -118,26 +124,31 @@ class BatchWorker(BaseBatchWorker):
     `queue_depths` holds the queue lengths as last read."""
 
     def __init__(self, queues: list[str], engine: EngineProtocol, *, connection: Redis, name: str | None = None,
-                 lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None, on_step: StepHook | None = None,
-                 on_job_end: JobEndHook | None = None) -> None:
+                 model_name: str | None = None, lease_s: int = DEFAULT_LEASE_S, on_added: AddedHook | None = None,
+                 on_step: StepHook | None = None, on_job_end: JobEndHook | None = None) -> None:
         if lease_s < 1:
             raise ValueError(f"lease_s must be at least 1 second, got {lease_s}")
         # redis-py re-sends a command (a whole MULTI pipeline too) whose reply was lost, so a write that did
         # happen could happen twice: a job's Result recorded twice, a job requeued twice. This worker retries
         # at its own level instead (work's backoff; an unrecorded job's lease runs out and it is retried).
         connection.set_retry(Retry(NoBackoff(), 0))
+        options = connection.connection_pool.connection_kwargs
+        for option in ("socket_timeout", "socket_connect_timeout"):
+            if options.get(option) is None:
+                options[option] = SOCKET_TIMEOUT_S
         wait_for_redis(connection)  # RQ's own __init__ talks to Redis
         super().__init__(list(queues), connection=connection, name=name, lease_s=int(lease_s),
                          maintenance_interval=DEFAULT_MAINTENANCE_INTERVAL_S)
         self.engine = engine
-        self.model_name = engine.loaded.name
+        self.model_name = model_name or engine.loaded.name  # the name jobs give to be routed here
         self.on_added, self.on_step, self.on_job_end = on_added, on_step, on_job_end
         self.streams = StreamWriter(connection)
-        self.keeper = LeaseKeeper(self, in_flight=self._snapshot, on_beat=self._beat, on_lost=self._leases_lost)
+        self.stats = StatsPublisher(self)
+        self.keeper = LeaseKeeper(self, in_flight=self._snapshot, on_beat=self._beat, on_lost=self._leases_lost,
+                                  on_cancelled=self._cancelled)
         self.jobs_taken = 0
         self.tokens_generated = 0
         self.queue_depths: dict[str, int] = {}
-        self._rate_mark = (time.monotonic(), 0)  # (when, tokens_generated) at the last stats publication
         self._jobs: dict[str, InFlight] = {}  # by execution id, which is also the engine's request id
         self._stop_requests: set[str] = set()  # job ids, from the pubsub thread
         self._lock = threading.Lock()  # guards `_jobs` and `_stop_requests` across threads
@@ -155,6 +166,11 @@ class BatchWorker(BaseBatchWorker):
     @property
     def in_flight_job_ids(self) -> list[str]:
         return [f.job.id for f in self._snapshot()]
+
+    @property
+    def suspended(self) -> bool:
+        """`rq suspend` is on, as this worker last read it: it admits nothing."""
+        return self._suspended
 
     @property
     def pending_stop_requests(self) -> set[str]:
@@ -193,14 +209,15 @@ class BatchWorker(BaseBatchWorker):
                     time.sleep(delay)
         finally:
             self.keeper.stop()
-            self._unpublish_stats()
+            self.stats.remove()
             self.teardown()
         return self.jobs_taken > 0
 
     def _iterate(self, burst: bool) -> bool:
         """One admission, one engine step, one stream pipeline; return whether to go on."""
-        if self.should_run_maintenance_tasks:
-            self.run_maintenance_tasks()  # between handler calls: RQ's maintenance reads the current execution
+        if self.should_run_maintenance_tasks:  # at start, then every DEFAULT_MAINTENANCE_INTERVAL_S
+            self.run_maintenance_tasks()
+            self.keeper.recover_expired()  # the keeper does it every tick too; a burst worker may end before one
         self._apply_requests()
         if self._force_stop:
             self._requeue_in_flight()
@@ -290,26 +307,44 @@ class BatchWorker(BaseBatchWorker):
         return [(job, queue)] if job else []
 
     def _start(self, taken: list[tuple[Job, Queue]]) -> None:
-        """Start every taken job as its own Execution (one MULTI), then hand it to the engine."""
-        with self.connection.pipeline() as pipe:
-            executions, stream_exists_at = [], []
-            for job, queue in taken:
-                executions.append(self.start_execution(pipe, job, queue, self.lease_s))
-                stream_exists_at.append(len(pipe))
-                pipe.exists(keys.stream_key(job.id))
-            replies = pipe.execute()
-        self._set_state(WorkerStatus.BUSY)
+        """Start every taken job as its own Execution under a lease (one transaction), then hand it to the
+        engine. A job another execution holds (a duplicate queue entry) or that already ended is only dropped."""
+        started: list[tuple[Job, Queue, Execution, int]] = []
+
+        def build(pipe, holders: list[str | None]) -> None:
+            started.clear()
+            pipe.multi()
+            for (job, queue), holder in zip(taken, holders):
+                if holder is not None or job.get_status(refresh=False) in TERMINAL_STATUSES:
+                    log.warning("job %s is %s; dropping a duplicate of it from queue %s", job.id,
+                                "leased by another execution" if holder else "over", queue.name)
+                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                    continue
+                execution = self.start_on(pipe, job, queue)
+                claim_on(pipe, job.id, execution.id, queue.name, self.lease_s)
+                started.append((job, queue, execution, len(pipe)))
+                pipe.exists(keys.cancel_key(job.id))
+                pipe.xrevrange(keys.stream_key(job.id), count=1)
+
+        replies = fenced(self.connection, [job.id for job, _ in taken], build)
+        if started:
+            self._set_state(WorkerStatus.BUSY)
         admitted_at = time.monotonic()
-        for (job, queue), execution, at in zip(taken, executions, stream_exists_at):
+        for job, queue, execution, at in started:
+            for earlier in [f for f in self._jobs.values() if f.job.id == job.id]:
+                self._lose(earlier)  # this worker ran the job before its lease ran out: that execution is over
             f = InFlight(job, queue, execution, admitted_at, self.result_ttl(job), self.failure_ttl(job))
             with self._lock:
                 self._jobs[execution.id] = f
             self.jobs_taken += 1
-            if replies[at]:  # an earlier attempt wrote a stream: that worker died or the job was requeued
-                self.streams.restart(job.id, execution.id, f.result_ttl)
-            self.streams.start(job.id, execution.id, f.result_ttl)
+            cancelled, top = replies[at], replies[at + 1]
+            self.streams.begin(job.id, execution.id, top[0][0] if top else None, f.result_ttl)
             try:
-                request = self._request(job)
+                request = f.request = self._request(job)
+                if cancelled:
+                    f.ended("stopped", reason=CANCELLED_BEFORE_START)
+                    continue
+                _check_deadline(request)
                 seq = self.engine.add(execution.id, request, arrival_time=admitted_at)
                 if request.timeout_s is not None:
                     f.timeout_at = admitted_at + request.timeout_s
@@ -326,12 +361,7 @@ class BatchWorker(BaseBatchWorker):
             func_name, args, kwargs = job.func_name, job.args, job.kwargs
         except DeserializationError:
             raise InvalidJob(PICKLED_JOB_REASON) from None
-        request = request_from_job(func_name, args, kwargs)
-        if request.deadline is not None:
-            deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
-            if datetime.now(timezone.utc) > deadline:
-                raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
-        return request
+        return request_from_job(func_name, args, kwargs)
 
     # ----- requests from other threads, and running timeouts -----
     def stop_job_requested(self, job_id: str) -> None:
@@ -343,6 +373,11 @@ class BatchWorker(BaseBatchWorker):
         for f in jobs:
             f.lease_lost = True
         self._wake.set()
+
+    def _cancelled(self, jobs: list[InFlight]) -> None:
+        """Jobs cancelled while in flight, seen by the keeper: the durable path, when a stop-job command was missed."""
+        for f in jobs:
+            self.stop_job_requested(f.job.id)
 
     def _apply_requests(self) -> None:
         """Act on lost leases, stop-job commands and running timeouts, before the next step."""
@@ -374,7 +409,7 @@ class BatchWorker(BaseBatchWorker):
                 if out.new_token_ids or out.delta_text:
                     if f.first_token_at is None and out.new_token_ids:
                         f.first_token_at = time.monotonic()
-                    self.streams.token(f.job.id, f.execution.id, out.delta_text, out.new_token_ids,
+                    self.streams.token(f.execution.id, out.delta_text, out.new_token_ids,
                                        len(out.token_ids) - len(out.new_token_ids))
                 if out.error is not None:
                     f.ended("failed", reason=f"generation failed: {out.error}")
@@ -391,55 +426,68 @@ class BatchWorker(BaseBatchWorker):
         return sorted((f for f in self._jobs.values() if f.end is not None), key=lambda f: f.end_order)
 
     def _end_jobs(self) -> None:
-        """Check the leases of the jobs that ended, write the stream events, then record the results:
-        a reader that sees a job finished already finds its last event in the stream.
+        """Write the buffered stream events, then, for each job that ended, its last events, its result and the
+        release of its lease in one transaction fenced by its lease: a reader that sees the job ended finds its
+        last event in the stream, and a worker that lost the lease writes neither.
 
-        If Redis is unreachable (the check or the flush raises), the ended jobs keep their `end`, their
-        leases kept by the keeper, and the next call tries again."""
+        If Redis is unreachable, the ended jobs keep their `end` and the next call tries again; the stream
+        buffer outlives a failed write, and an event is never written twice."""
         ended = self._ended_jobs()
-        held = self._leases_held(ended) if ended else []
-        for f, ok in zip(ended, held):
-            if not ok:
-                self._lose(f)
-            elif not f.end_event_buffered:
-                end = f.end
-                if end.status == "failed":
-                    self.streams.error(f.job.id, f.execution.id, end.reason, f.failure_ttl)
-                else:
-                    ttl = f.result_ttl if end.status == "finished" else f.failure_ttl
-                    self.streams.done(f.job.id, f.execution.id, end.result.finish_reason, end.result.usage, ttl)
+        for execution_id in self.streams.flush(force=bool(ended), exclude={f.execution.id for f in ended}):
+            if execution_id in self._jobs:
+                self._lose(self._jobs[execution_id])
+        ended = [f for f in ended if f.execution.id in self._jobs]
+        if not ended:
+            return
+        for f in ended:
+            if not f.end_event_buffered:
+                self._buffer_end_event(f)
                 f.end_event_buffered = True
-        self.streams.flush(force=bool(ended))
-        for f, ok in zip(ended, held):
-            if ok:
-                try:
-                    self._record(f)
-                except Exception:  # e.g. Redis went away: the lease runs out and the job is retried
-                    log.exception("job %s: recording its end failed", f.job.id)
+        recorded: list[InFlight] = []
+
+        def build(pipe, holders: list[str | None]) -> None:
+            recorded.clear()
+            pipe.multi()
+            for f, holder in zip(ended, holders):
+                if holder == f.execution.id:
+                    self.streams.write_with(pipe, f.execution.id)
+                    self._record_on(pipe, f)
+                    release_on(pipe, f.job.id, f.execution.id, f.queue.name)
+                    recorded.append(f)
+
+        fenced(self.connection, [f.job.id for f in ended], build)
+        for f in ended:
+            if f in recorded:
+                self.streams.discard(f.execution.id)
                 self._forget(f)
+            else:
+                self._lose(f)
 
-    def _leases_held(self, ended: list[InFlight]) -> list[bool]:
-        """Whether this worker still holds each job's lease, with a margin: a lease about to expire (or
-        expired while Redis was unreachable) may be retried by another worker's cleanup at any moment."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            for f in ended:
-                self.read_lease(pipe, f.queue, f.execution)
-            valid_from = current_timestamp() + self.lease_s / (2 * HEARTBEATS_PER_LEASE)
-            return [score is not None and score >= valid_from for score in pipe.execute()]
+    def _buffer_end_event(self, f: InFlight) -> None:
+        end = f.end
+        if end.status == "failed":
+            self.streams.error(f.execution.id, end.reason, f.failure_ttl)
+        else:
+            ttl = f.result_ttl if end.status == "finished" else f.failure_ttl
+            usage = end.result.usage if end.result is not None else None
+            reason = "cancelled" if end.result is None else end.result.finish_reason
+            self.streams.done(f.execution.id, reason, usage, ttl)
 
-    def _record(self, f: InFlight) -> None:
-        """Write the RQ Result and registries, one job at a time."""
+    def _record_on(self, pipe, f: InFlight) -> None:
+        """Queue the RQ Result and registries of a job that ended, and its batch line, counts and feed entries."""
         end = f.end
         if end.status == "finished":
-            self.record_success(f.job, f.queue, f.execution, end.result.model_dump(mode="json"))
+            self.success_on(pipe, f.job, f.queue, f.execution, end.result.model_dump(mode="json"))
         else:
-            self.record_failure(f.job, f.queue, f.execution, end.reason, stopped=end.status == "stopped")
+            self.failure_on(pipe, f.job, f.queue, f.execution, end.reason, stopped=end.status == "stopped")
+        record_job_end(pipe, job_id=f.job.id, queue=f.queue.name, status=end.status, request=f.request,
+                       result=end.result, reason=end.reason)
 
     def _lose(self, f: InFlight) -> None:
         """Another worker holds the job's lease now: drop it here and record nothing."""
         log.warning("job %s: lease lost; another worker runs it now", f.job.id)
         self.engine.abort(f.execution.id)
-        self.streams.discard(f.job.id)
+        self.streams.discard(f.execution.id)
         f.end = JobEnd(f.job.id, f.execution.id, f.queue.name, "lost", reason="lease lost")
         self._forget(f)
 
@@ -474,12 +522,23 @@ class BatchWorker(BaseBatchWorker):
         self._wake.set()
 
     def _requeue_in_flight(self) -> None:
-        """Put the jobs in flight back at the front of their queues, in their order, without using a retry."""
+        """Put the jobs in flight (still leased by this worker) back at the front of their queues, in their order;
+        a requeue does not count as an attempt."""
         in_flight = list(self._jobs.values())
         for f in in_flight:
             self.engine.abort(f.execution.id)
-            self.streams.discard(f.job.id)  # the next attempt starts the stream again
-        self.requeue_at_front([(f.job, f.queue, f.execution) for f in in_flight])
+            self.streams.discard(f.execution.id)  # the next attempt starts the stream again
+
+        def build(pipe, holders: list[str | None]) -> None:
+            pipe.multi()
+            for f, holder in reversed(list(zip(in_flight, holders))):
+                if holder == f.execution.id:
+                    self.requeue_on(pipe, f.job, f.queue, f.execution)
+                    release_on(pipe, f.job.id, f.execution.id, f.queue.name, ended=False)
+                    pipe.decr(keys.attempts_key(f.job.id))
+
+        if in_flight:
+            fenced(self.connection, [f.job.id for f in in_flight], build)
         with self._lock:
             self._jobs.clear()
 
@@ -489,45 +548,9 @@ class BatchWorker(BaseBatchWorker):
             return list(self._jobs.values())
 
     def _beat(self, pipe) -> None:
-        """This worker's own heartbeat and the figures `batcher workers` shows; they expire with a dead worker."""
+        """This worker's own heartbeat and the figures `batcher workers` shows."""
         self.heartbeat(pipeline=pipe)
-        try:
-            stats = self._stats()
-        except Exception:  # the figures are for people; the leases must be extended regardless
-            log.exception("worker %s: could not gather its stats", self.name)
-            return
-        key = keys.worker_stats_key(self.name)
-        pipe.hset(key, mapping=stats.to_hash())
-        pipe.expire(key, STATS_TTL_LEASES * self.lease_s)
-        pipe.sadd(keys.WORKERS_SET, self.name)
-
-    def _stats(self) -> WorkerStats:
-        moment, tokens = time.monotonic(), self.tokens_generated
-        since, before = self._rate_mark
-        self._rate_mark = (moment, tokens)
-        state: WorkerState
-        if self.drain_requested:
-            state = "draining"
-        elif self._suspended:
-            state = "suspended"
-        else:
-            state = "busy" if self._jobs else "idle"
-        return WorkerStats(
-            name=self.name, host=socket.gethostname(), pid=os.getpid(),
-            queues=",".join(sorted({q.name.split(keys.PRIORITY_SEPARATOR)[0] for q in self.queues})),
-            model=self.model_name, state=state, in_flight=len(self._jobs), free_slots=self.engine.free_slots,
-            kv_usage=round(self.engine.kv_cache_usage, 4),
-            tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
-            prefix_cache_hit_rate=round(self.engine.prefix_cache_stats.hit_rate, 4))
-
-    def _unpublish_stats(self) -> None:
-        try:
-            with self.connection.pipeline() as pipe:
-                pipe.delete(keys.worker_stats_key(self.name))
-                pipe.srem(keys.WORKERS_SET, self.name)
-                pipe.execute()
-        except Exception:  # Redis gone at exit: the hash expires on its own
-            log.warning("worker %s: could not remove its stats from Redis", self.name)
+        self.stats.write_on(pipe)
 
     # ----- small helpers -----
     def _set_state(self, state: WorkerStatus) -> None:
@@ -539,6 +562,13 @@ class BatchWorker(BaseBatchWorker):
             hook(self, arg)
         except Exception:  # an ops hook must not stop the jobs
             log.exception("worker %s: hook %r failed", self.name, hook)
+
+
+def _check_deadline(request: GenerationRequest) -> None:
+    if request.deadline is not None:
+        deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
+        if datetime.now(timezone.utc) > deadline:
+            raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
 
 
 def wait_for_redis(connection: Redis) -> None:

@@ -1,13 +1,21 @@
-"""Token streams: each job's events, buffered by the worker and written in one pipeline per flush.
+"""Token streams: each job's events, buffered by the worker and written once each, fenced by the job's lease.
 
-A flush writes the events of every sequence at once. When steps are short, the worker flushes at
-most every STREAM_FLUSH_S (a job's consecutive tokens are then merged into one event), so Redis
-costs a fraction of a step; a job's last event is always flushed before its result is recorded.
+A flush writes the events of every job at once, in one Lua script call. When steps are short, the worker
+flushes at most every STREAM_FLUSH_S (a job's consecutive tokens are then merged into one event), so Redis
+costs a fraction of a step. A job's last events are written in the transaction that records its result.
 
-A stream lives at `batcher:stream:<job_id>`. It is trimmed (MAXLEN ~) and expires with the job's
-result: `start` sets its TTL to the result TTL (so the stream of a dead worker goes too), and the
-last event sets it again (the failure TTL after an error). A retried job's stream is replaced by
-one that starts with `restart`, so it only ever holds the current attempt.
+Two guarantees, both enforced by Redis itself:
+- Fenced: the script writes a job's events only while the job's lease key (`keys.lease_key`) holds the
+  writing execution's id. An execution that lost its lease (its worker was cut off for longer than a
+  lease, and another worker restarted the job) writes nothing more, even if its write arrives late.
+- Exactly once: every event has an explicit stream id, `<base_ms>-<seq>`, fixed when it is buffered.
+  A write whose reply was lost (a connection cut mid-flush) is sent again as it was, and Redis refuses the
+  ids it already holds. An event that was part of such a write is sealed: later tokens go into a new event.
+`base_ms` lies above every id an earlier attempt wrote, so a reader's position stays valid across a restart.
+
+A stream lives at `batcher:stream:<job_id>`, trimmed (MAXLEN ~), and expires with the job's result: `start`
+sets its TTL to the result TTL (so the stream of a dead worker goes too), the last event sets it again.
+A retried job's stream is replaced by one that starts with `restart`, so it holds only the current attempt.
 """
 
 from __future__ import annotations
@@ -18,92 +26,158 @@ from dataclasses import dataclass, field
 from redis import Redis
 
 from batcher import keys
-from batcher.schema import MAX_TOKENS_LIMIT, FinishReason, StreamEvent, Usage
+from batcher.job_stream import STREAM_MAXLEN, ttl_arg
+from batcher.schema import STREAM_FIELD, FinishReason, StreamEvent, Usage
 
-# Room for every token of the longest generation plus its other events; trimming only bounds
-# what a misbehaving writer could add.
-STREAM_MAXLEN = MAX_TOKENS_LIMIT + 16
 STREAM_FLUSH_S = 0.02  # a token waits in the buffer this long at most (or one step): no reader notices
+KEEP_TTL = ""  # a write that leaves the stream's TTL as it is
+
+# KEYS: per job, its lease key and its stream key. ARGV: maxlen, the field name, then per job: the execution
+# id, the id below which older events are dropped first ('' for none), the TTL (`ttl_arg`, or '' to keep it),
+# the number of events, and each event's id and payload. Returns the 1-based positions of the jobs whose
+# lease is not held.
+WRITE_EVENTS_LUA = """
+local function older(a, b)
+  local ams, aseq = string.match(a, '(%d+)-(%d+)')
+  local bms, bseq = string.match(b, '(%d+)-(%d+)')
+  if tonumber(ams) ~= tonumber(bms) then return tonumber(ams) < tonumber(bms) end
+  return tonumber(aseq) < tonumber(bseq)
+end
+local lost = {}
+local a = 3
+for j = 1, #KEYS, 2 do
+  local lease, stream = KEYS[j], KEYS[j + 1]
+  local execution, below, ttl, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
+  a = a + 4
+  if redis.call('GET', lease) == execution then
+    if below ~= '' then
+      local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+      if top[1] and older(top[1][1], below) then redis.call('DEL', stream) end
+    end
+    for i = 0, n - 1 do
+      redis.pcall('XADD', stream, 'MAXLEN', '~', ARGV[1], ARGV[a + 2 * i], ARGV[2], ARGV[a + 2 * i + 1])
+    end
+    if ttl == '-1' then redis.call('PERSIST', stream)
+    elseif ttl == '0' then redis.call('DEL', stream)
+    elseif ttl ~= '' then redis.call('EXPIRE', stream, ttl) end
+  else
+    table.insert(lost, (j + 1) / 2)
+  end
+  a = a + 2 * n
+end
+return lost
+"""
+
+
+def stream_id_ms(stream_id: bytes | str | None) -> int | None:
+    if stream_id is None:
+        return None
+    text = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    return int(text.split("-", 1)[0])
 
 
 @dataclass
-class _Pending:
-    events: list[StreamEvent] = field(default_factory=list)
-    ttl: int | None = None
-    set_ttl: bool = False
-    replace: bool = False
+class _Attempt:
+    """One execution's stream: its unwritten events, with their ids, and the TTL to set with them."""
+
+    job_id: str
+    execution_id: str
+    base_ms: int
+    replace: bool  # an earlier attempt's events are in the stream: the first write drops them
+    next_seq: int = 0
+    events: list[tuple[str, StreamEvent]] = field(default_factory=list)
+    sealed: int = 0  # events[:sealed] were in a write whose outcome is unknown: nothing is merged into them
+    ttl: str = KEEP_TTL
+
+    def add(self, event: StreamEvent) -> None:
+        self.events.append((f"{self.base_ms}-{self.next_seq}", event))
+        self.next_seq += 1
+
+    def script_args(self) -> list:
+        below = f"{self.base_ms}-0" if self.replace else ""
+        args = [self.execution_id, below, self.ttl, len(self.events)]
+        for event_id, event in self.events:
+            args += [event_id, event.to_fields()[STREAM_FIELD]]
+        return args
 
 
 class StreamWriter:
-    """Collects events per job; `flush()` writes them all in one pipeline."""
+    """Collects events per execution (a job restarted on the same worker has two, for a moment); `flush()` writes
+    them all in one fenced script call."""
 
     def __init__(self, connection: Redis) -> None:
         self.connection = connection
-        self._pending: dict[str, _Pending] = {}
+        self._write = connection.register_script(WRITE_EVENTS_LUA)
+        self._attempts: dict[str, _Attempt] = {}
         self._flushed_at = 0.0
 
-    def restart(self, job_id: str, execution_id: str, ttl: int | None) -> None:
-        """Begin a new attempt's stream, dropping the lost attempt's events (buffered ones included)."""
-        self._pending[job_id] = _Pending(replace=True)
-        self._add(job_id, StreamEvent(type="restart", execution_id=execution_id), ttl)
+    def begin(self, job_id: str, execution_id: str, top_id: bytes | str | None, ttl: int | None) -> None:
+        """Start an execution's stream. `top_id` is the stream's last id if it exists: an earlier attempt
+        wrote it, so this one replaces it and begins with `restart`."""
+        top_ms = stream_id_ms(top_id)
+        base_ms = max(int(time.time() * 1000), (top_ms or 0) + 1)
+        attempt = self._attempts[execution_id] = _Attempt(job_id, execution_id, base_ms, replace=top_ms is not None)
+        if attempt.replace:
+            attempt.add(StreamEvent(type="restart", execution_id=execution_id))
+        attempt.add(StreamEvent(type="start", execution_id=execution_id))
+        attempt.ttl = ttl_arg(ttl)
 
-    def start(self, job_id: str, execution_id: str, ttl: int | None) -> None:
-        self._add(job_id, StreamEvent(type="start", execution_id=execution_id), ttl)
-
-    def token(self, job_id: str, execution_id: str, text: str, token_ids: list[int], index: int) -> None:
-        """New tokens; merged into the job's last buffered token event when there is one."""
-        events = self._pending.setdefault(job_id, _Pending()).events
-        if events and events[-1].type == "token":
-            last = events[-1]
+    def token(self, execution_id: str, text: str, token_ids: list[int], index: int) -> None:
+        """New tokens; merged into the execution's last buffered token event when that one was never sent."""
+        attempt = self._attempts[execution_id]
+        if len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token":
+            event_id, last = attempt.events.pop()
             text, token_ids, index = last.text + text, last.token_ids + token_ids, last.index
-            events.pop()
-        # Built without validation: the worker's own values, on every step's hot path. No TTL change.
-        events.append(StreamEvent.model_construct(type="token", execution_id=execution_id, text=text,
-                                                  token_ids=token_ids, index=index))
-
-    def done(self, job_id: str, execution_id: str, finish_reason: FinishReason, usage: Usage,
-             ttl: int | None) -> None:
-        self._add(job_id, StreamEvent(type="done", execution_id=execution_id, finish_reason=finish_reason,
-                                      usage=usage), ttl)
-
-    def error(self, job_id: str, execution_id: str, reason: str, ttl: int | None) -> None:
-        self._add(job_id, StreamEvent(type="error", execution_id=execution_id, error=reason), ttl)
-
-    def discard(self, job_id: str) -> None:
-        """Forget a job's buffered events (its lease is gone: another worker owns its stream now)."""
-        self._pending.pop(job_id, None)
-
-    def flush(self, force: bool = False) -> None:
-        """Write what is buffered: now if `force`, else once STREAM_FLUSH_S has passed since the last write."""
-        if not self._pending or (not force and time.monotonic() - self._flushed_at < STREAM_FLUSH_S):
+            attempt.events.append((event_id, StreamEvent.model_construct(
+                type="token", execution_id=attempt.execution_id, text=text, token_ids=token_ids, index=index)))
             return
-        pending = self._pending  # kept if the write fails (Redis unreachable): the next flush writes it
+        # Built without validation: the worker's own values, on every step's hot path. No TTL change.
+        attempt.add(StreamEvent.model_construct(type="token", execution_id=attempt.execution_id, text=text,
+                                                token_ids=token_ids, index=index))
+
+    def done(self, execution_id: str, finish_reason: FinishReason, usage: Usage | None, ttl: int | None) -> None:
+        attempt = self._attempts[execution_id]
+        attempt.add(StreamEvent(type="done", execution_id=attempt.execution_id, finish_reason=finish_reason,
+                                usage=usage))
+        attempt.ttl = ttl_arg(ttl)
+
+    def error(self, execution_id: str, reason: str, ttl: int | None) -> None:
+        attempt = self._attempts[execution_id]
+        attempt.add(StreamEvent(type="error", execution_id=attempt.execution_id, error=reason))
+        attempt.ttl = ttl_arg(ttl)
+
+    def discard(self, execution_id: str) -> None:
+        """Forget an execution's stream (it ended, or its lease is gone: another one owns the job's stream now)."""
+        self._attempts.pop(execution_id, None)
+
+    def flush(self, force: bool = False, exclude: set[str] = frozenset()) -> list[str]:
+        """Write what is buffered, but for the executions in `exclude`: now if `force`, else once STREAM_FLUSH_S
+        has passed since the last write. Return the executions whose lease this worker no longer holds (nothing
+        of theirs was written). If the call fails, the events stay buffered, sealed, for the next flush."""
+        pending = [e for e, a in self._attempts.items() if a.events and e not in exclude]
+        if not pending or (not force and time.monotonic() - self._flushed_at < STREAM_FLUSH_S):
+            return []
         self._flushed_at = time.monotonic()
-        # Not a transaction: a lost attempt's write slipping in between the DEL and the restart is
-        # harmless, since readers drop everything before a restart anyway.
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job_id, p in pending.items():
-                key = keys.stream_key(job_id)
-                if p.replace:
-                    pipe.delete(key)
-                for event in p.events:
-                    pipe.xadd(key, event.to_fields(), maxlen=STREAM_MAXLEN, approximate=True)
-                if p.set_ttl:
-                    _expire(pipe, key, p.ttl)
-            pipe.execute()
-        self._pending = {}
+        lost = self._call(self.connection, pending)
+        for execution_id in pending:
+            self._written(execution_id)
+        return [pending[i - 1] for i in lost]
 
-    def _add(self, job_id: str, event: StreamEvent, ttl: int | None) -> None:
-        pending = self._pending.setdefault(job_id, _Pending())
-        pending.events.append(event)
-        pending.ttl, pending.set_ttl = ttl, True
+    def write_with(self, pipe, execution_id: str) -> None:
+        """Queue an execution's buffered events on `pipe` (the transaction that records its end), fenced the same way."""
+        if self._attempts[execution_id].events:
+            self._call(pipe, [execution_id])
 
+    def _call(self, client, execution_ids: list[str]) -> list[int]:
+        keys_, args = [], [STREAM_MAXLEN, STREAM_FIELD]
+        for execution_id in execution_ids:
+            attempt = self._attempts[execution_id]
+            attempt.sealed = len(attempt.events)  # from here on, the outcome of these events is unknown
+            keys_ += [keys.lease_key(attempt.job_id), keys.stream_key(attempt.job_id)]
+            args += attempt.script_args()
+        return self._write(keys=keys_, args=args, client=client)
 
-def _expire(pipe, key: str, ttl: int | None) -> None:
-    """RQ's TTL convention: None or -1 keeps the stream, 0 drops it with the result, N expires it in N s."""
-    if ttl is None or ttl < 0:
-        pipe.persist(key)
-    elif ttl == 0:
-        pipe.delete(key)
-    else:
-        pipe.expire(key, ttl)
+    def _written(self, execution_id: str) -> None:
+        attempt = self._attempts[execution_id]
+        attempt.events, attempt.sealed, attempt.replace, attempt.ttl = [], 0, False, KEEP_TTL
+

@@ -35,7 +35,8 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 @redis_url_option
 @json_option
 def workers(redis_url, as_json):
-    """Live workers: state, jobs in flight, free slots, KV usage, prefix-cache hit rate, tokens/s, last heartbeat."""
+    """Live workers: model, dtype, state, jobs in flight, free slots, KV usage, prefix-cache hit rate, tokens/s,
+    last heartbeat."""
     stats = admin.list_workers(_connect(redis_url))
     if as_json:
         click.echo(json.dumps([s.to_dict() for s in stats], indent=1))
@@ -46,8 +47,8 @@ def workers(redis_url, as_json):
     rows = [{**s.to_dict(), "kv_usage": f"{s.kv_usage:.0%}", "prefix_hits": f"{s.prefix_cache_hit_rate:.0%}",
              "tokens_per_s": f"{s.tokens_per_s:.1f}", "last_heartbeat": f"{s.heartbeat_age_s:.0f}s ago"}
             for s in stats]
-    click.echo(_table(rows, ["name", "host", "queues", "state", "in_flight", "free_slots", "kv_usage",
-                             "prefix_hits", "tokens_per_s", "last_heartbeat"]))
+    click.echo(_table(rows, ["name", "host", "queues", "model", "dtype", "state", "in_flight", "free_slots",
+                             "kv_usage", "prefix_hits", "tokens_per_s", "last_heartbeat"]))
 
 
 @main.command()
@@ -111,14 +112,21 @@ def resume(redis_url):
 @click.option("--queue", help="One base queue (its priority levels); default: every RQ queue.")
 @json_option
 def queues(redis_url, queue, as_json):
-    """Queue depths and registries: queued, started, failed, finished."""
+    """Queue depths and registries: queued, started, failed, finished; the model a queue routes to, and
+    whether a live worker serves it."""
     connection = _connect(redis_url)
     rows = [r.to_dict() for r in admin.queue_overview(connection, queue and keys.check_queue(queue))]
     suspended = bool(admin.is_suspended(connection))
     if as_json:
         click.echo(json.dumps({"suspended": suspended, "queues": rows}, indent=1))
         return
-    click.echo(_table(rows, ["queue", "queued", "started", "failed", "finished"]) if rows else "no queues")
+    shown = [{**r, "model": r["model"] or "(any)", "served": "yes" if r["served"] else "NO"} for r in rows]
+    click.echo(_table(shown, ["queue", "model", "queued", "started", "failed", "finished", "served"])
+               if rows else "no queues")
+    waiting = [r for r in rows if not r["served"] and r["queued"]]
+    for r in waiting:
+        click.echo(f"unserved: {r['queued']} job(s) in {r['queue']} wait for a worker serving "
+                   f"{r['model'] or 'queue ' + keys.base_queue(r['queue'])}")
     if suspended:
         click.echo("(workers are suspended)")
 

@@ -93,10 +93,11 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
         raise click.BadParameter(str(exc), param_hint="--baseline") from None
     if baseline not in systems:
         raise click.BadParameter(f"{baseline} is not among --systems", param_hint="--baseline")
-    try:
-        items = load_workload(workload)
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--workload") from None
+    items = load_workload(workload)
+    if any(s.through_redis for s in systems):
+        from batcher.client import connect
+
+        connect(redis_url).ping()  # a Redis that cannot be reached is reported now, not after loading the model
     report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads, redis_url)
     click.echo(report.table())
     if json_path:
@@ -128,5 +129,6 @@ def demo(redis_url, model, max_num_seqs, compare, prefix_caching):
     from workers.engine import build_engine
 
     connection = connect(redis_url) if redis_url else embedded_redis()
+    connection.ping()  # a Redis that cannot be reached is reported now, not after loading the model
     engine = build_engine(EngineConfig(model=model, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching))
     run_demo(connection, engine, compare)

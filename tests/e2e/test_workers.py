@@ -36,11 +36,11 @@ RECOVERY_S = 30
 
 
 def start_worker(url: str, model_dir: Path, queue: str, log_path: Path,
-                 max_num_seqs: int) -> tuple[str, subprocess.Popen]:
+                 max_num_seqs: int, *extra: str) -> tuple[str, subprocess.Popen]:
     name = f"e2e-{uuid.uuid4().hex[:8]}"
     command = [sys.executable, "-m", "batcher", "worker", "--redis-url", url, "--queue", queue,
-               "--model", str(model_dir), "--device", "cpu", "--num-blocks", "512",
-               "--max-num-seqs", str(max_num_seqs), "--lease", str(LEASE_S), "--name", name]
+               "--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--num-blocks", "512",
+               "--max-num-seqs", str(max_num_seqs), "--lease", str(LEASE_S), "--name", name, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
     return name, process
@@ -88,20 +88,20 @@ def test_twenty_jobs_from_another_process_equal_generate_alone(serving, tmp_path
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
     submitted = subprocess.run([sys.executable, "-m", "batcher", "submit", "--redis-url", url, "--queue", "e2e",
-                                "--file", str(batch)], check=True, capture_output=True, text=True).stdout
-    job_ids = dict(reversed(line.split("\t")) for line in submitted.splitlines())
-    assert sorted(job_ids) == sorted(line["custom_id"] for line in lines)
+                                "--file", str(batch), "--follow"], capture_output=True, text=True, timeout=240)
+    assert submitted.returncode == 0, submitted.stderr
+    out = {o["custom_id"]: o for o in map(json.loads, submitted.stdout.splitlines()[1:])}
+    assert sorted(out) == sorted(line["custom_id"] for line in lines)
 
-    client = Client(connection, queue="e2e")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for line in lines:
-        result = client.result(job_ids[line["custom_id"]], timeout=120)
+        body = out[line["custom_id"]]["response"]["body"]
         prompt_ids = tokenizer(line["body"]["prompt"], return_tensors="pt")["input_ids"]
         with torch.no_grad():
             alone = model.generate(prompt_ids, max_new_tokens=line["body"]["max_tokens"], do_sample=False,
                                    eos_token_id=None, pad_token_id=0)[0, prompt_ids.shape[1]:].tolist()
-        assert result.token_ids == alone, line["custom_id"]
+        assert body["choices"][0]["token_ids"] == alone, line["custom_id"]
 
 
 def test_a_stream_reader_sees_tokens_before_the_job_finishes(serving):

@@ -32,6 +32,7 @@ class SystemRun:
     peak_rss_bytes: int = 0
     preemptions: int = 0
     cached_tokens: dict[str, int] | None = None  # request id -> prompt tokens found in a prefix cache, if reported
+    lone_decode_step_s: float | None = None  # a decode step with one sequence running, where measured
     notes: list[str] = field(default_factory=list)  # how a figure was obtained, where it is an approximation
 
 

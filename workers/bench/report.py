@@ -6,7 +6,9 @@
 - latency: time to first token (from arrival) and inter-token gaps, from per-token timestamps;
 - slot occupancy: sequences doing useful work per step, over the system's slots;
 - model FLOP utilisation: the model's useful FLOPs (no padding, no recompute, no prefix found in the
-  cache) per second, over a matmul probe measured in the same process at the same thread count;
+  cache) per second, over a matmul probe measured in the same process, dtype and thread count;
+- % of the roofline limit (`workers.bench.roofline`): the shortest wall time any system could take, over
+  this system's; and a lone sequence's decode step against the weight-read floor;
 - correctness: every system's greedy tokens against the baseline's, with every difference listed.
 """
 
@@ -19,9 +21,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from workers.bench.record import SystemRun
+from workers.bench.roofline import Roofline
 from workers.bench.workload import WorkloadRequest
 
-PROBE_SIZE = 1024  # square fp32 matmul: large enough to run at the CPU's peak, small enough to take ~10 ms
+PROBE_SIZE = 1024  # square matmul in the run's dtype: large enough to run at the CPU's peak, yet ~5-30 ms
 PROBE_REPEATS = 10
 MB = 1 << 20
 
@@ -95,6 +98,8 @@ class SystemReport:
     peak_rss_mb: float
     model_gflop_s: float
     mfu: float
+    pct_of_limit: float  # the roofline limit over this wall time, in percent (0-100)
+    lone_decode_step_s: float | None  # a decode step with one sequence running, where measured
     preemptions: int
     mismatched_requests: list[dict]  # [{"id", "first_difference"}] against the baseline's tokens
     notes: list[str]
@@ -106,6 +111,7 @@ class SystemReport:
 class BenchReport:
     workload: str
     model: str
+    dtype: str
     threads: int
     device: str
     versions: dict
@@ -114,6 +120,7 @@ class BenchReport:
     requests: int
     prompt_tokens: int
     shared_prefix_tokens: int  # prompt tokens a perfect prefix cache would not compute
+    roofline: Roofline
     systems: list[SystemReport] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -133,13 +140,13 @@ class BenchReport:
         ratio_width = max(24, len(self.baseline) + 4)
         header = (f"{'system':<{width}}{'gen tok/s':>10}{'x ' + self.baseline:>{ratio_width}}{'prompt tok/s':>13}"
                   f"{'total tok/s':>12}{'TTFT ms p50/p99/max':>22}{'ITL ms p50/p99/max':>21}{'occupancy':>11}"
-                  f"{'RSS MB':>8}{'MFU':>6}{'prefix hits':>12}  greedy tokens")
+                  f"{'RSS MB':>8}{'MFU':>6}{'% limit':>8}{'prefix hits':>12}  greedy tokens")
         shared = (f"{self.shared_prefix_tokens} of them in shared prefixes after their first request"
                   if self.shared_prefix_tokens else "no shared prefixes")
         lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens ({shared}); "
-                 f"model {self.model}; {self.threads} thread(s) on {self.device}; matmul probe "
+                 f"model {self.model} in {self.dtype}; {self.threads} thread(s) on {self.device}; matmul probe "
                  f"{self.probe_gflop_s:.0f} GFLOP/s; " + ", ".join(f"{k} {v}" for k, v in self.versions.items()),
-                 header]
+                 f"{self.roofline.describe()} (at {self.roofline.slots} slots)", header]
         for s in self.systems:
             agree = "baseline" if s.system == self.baseline else (
                 "agree" if not s.mismatched_requests else f"DIFFER in {len(s.mismatched_requests)} requests")
@@ -149,7 +156,12 @@ class BenchReport:
                 f"{s.prompt_tok_s:>13.1f}{s.total_tok_s:>12.1f}"
                 f"{ms(s.ttft_s, 'p50') + '/' + ms(s.ttft_s, 'p99') + '/' + ms(s.ttft_s, 'max'):>22}"
                 f"{ms(s.itl_s, 'p50') + '/' + ms(s.itl_s, 'p99') + '/' + ms(s.itl_s, 'max'):>21}"
-                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}{hits:>12}  {agree}")
+                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}{s.pct_of_limit:>7.0f}%{hits:>12}  {agree}")
+        floor = self.roofline.weight_read_s
+        for s in self.systems:
+            if s.lone_decode_step_s is not None:
+                lines.append(f"{s.system}: a lone sequence's decode step takes {s.lone_decode_step_s * 1e3:.3g} ms, "
+                             f"{s.lone_decode_step_s / floor:.3g}x the weight-read floor ({floor * 1e3:.3g} ms)")
         for s in self.systems:
             for m in s.mismatched_requests:
                 lines.append(f"  ! {s.system} request {m['id']}: greedy tokens differ from {self.baseline} "
@@ -166,7 +178,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def system_report(run: SystemRun, workload: list[WorkloadRequest], cost: ModelCost, probe_flop_s: float,
-                  baseline: SystemRun, shared_prefix_tokens: int) -> SystemReport:
+                  baseline: SystemRun, roofline: Roofline, shared_prefix_tokens: int) -> SystemReport:
     arrival = {w.id: w.arrival_s for w in workload}
     generated = sum(len(t) for t in run.tokens.values())
     prompt = sum(w.prompt_len for w in workload)
@@ -192,6 +204,7 @@ def system_report(run: SystemRun, workload: list[WorkloadRequest], cost: ModelCo
         ttft_s=percentiles(ttft), itl_s=percentiles(itl), slots=run.slots, mean_batch=mean_batch,
         mean_occupancy=mean_batch / run.slots, peak_rss_mb=run.peak_rss_bytes / MB,
         model_gflop_s=flops / run.wall_s / 1e9, mfu=flops / run.wall_s / probe_flop_s,
+        pct_of_limit=roofline.pct_of_limit(run.wall_s), lone_decode_step_s=run.lone_decode_step_s,
         preemptions=run.preemptions, mismatched_requests=mismatched, notes=run.notes,
         cumulative_tokens=[(t, i + 1) for i, t in enumerate(stamps)], occupancy=run.steps,
     )

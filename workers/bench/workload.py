@@ -15,9 +15,15 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from batcher.errors import BatcherError
+
 PROMPT_ID_MARGIN = 100
 PREFIX_SEED_PREFIX = "prefix:"
 BUNDLED_DIR = Path(__file__).parent / "workloads"
+
+
+class WorkloadError(BatcherError, ValueError):
+    """A workload file that cannot be found or read, with where and why."""
 
 
 def _draw(seed: int | str, n: int, vocab_size: int) -> list[int]:
@@ -40,15 +46,21 @@ class WorkloadRequest:
         return prefix + _draw(self.index, self.prompt_len - self.prefix_len, vocab_size)
 
 
-def shared_prefix_tokens(workload: list[WorkloadRequest]) -> int:
-    """Prompt tokens a perfect prefix cache would not compute: each prefix after the first time it is asked for."""
+def shared_prefix_lengths(workload: list[WorkloadRequest]) -> dict[str, int]:
+    """Request id -> the prompt tokens a perfect prefix cache would not compute: its prefix, unless it is
+    the first request (by arrival) to ask for it."""
     seen: set[str] = set()
-    shared = 0
+    shared = {}
     for item in sorted(workload, key=lambda w: (w.arrival_s, w.index)):
+        shared[item.id] = item.prefix_len if item.prefix_id in seen else 0
         if item.prefix_id is not None:
-            shared += item.prefix_len if item.prefix_id in seen else 0
             seen.add(item.prefix_id)
     return shared
+
+
+def shared_prefix_tokens(workload: list[WorkloadRequest]) -> int:
+    """Prompt tokens a perfect prefix cache would not compute, in all."""
+    return sum(shared_prefix_lengths(workload).values())
 
 
 def bundled_workloads() -> list[str]:
@@ -62,7 +74,7 @@ def workload_path(name_or_path: str) -> Path:
         return path
     if name_or_path in bundled_workloads():
         return BUNDLED_DIR / f"{name_or_path}.jsonl"
-    raise FileNotFoundError(f"no workload file {name_or_path!r}; bundled: {', '.join(bundled_workloads())}")
+    raise WorkloadError(f"no workload file {name_or_path!r}; bundled: {', '.join(bundled_workloads())}")
 
 
 def _request(index: int, obj: dict) -> WorkloadRequest:
@@ -78,7 +90,7 @@ def _request(index: int, obj: dict) -> WorkloadRequest:
 
 
 def load_workload(name_or_path: str) -> list[WorkloadRequest]:
-    """The requests of a workload file; ValueError names the line of a malformed one."""
+    """The requests of a workload file; WorkloadError names the request of a malformed line."""
     path = workload_path(name_or_path)
     rows = []
     with open(path) as f:
@@ -87,5 +99,5 @@ def load_workload(name_or_path: str) -> list[WorkloadRequest]:
                 rows.append(_request(index, json.loads(line)))
             except (ValueError, KeyError, TypeError) as exc:
                 reason = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
-                raise ValueError(f"{path.name}, request {index + 1}: {reason}") from None
+                raise WorkloadError(f"{path}: request {index + 1} is not a workload request: {reason}") from None
     return rows
