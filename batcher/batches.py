@@ -243,6 +243,14 @@ def error_file_id(batch_id: str) -> str:
     return f"{batch_id}_errors"
 
 
+def batch_of_file(file_id: str) -> tuple[str, bool] | None:
+    """(batch id, whether it is the error file) of a batch's output or error file id; None for any other id."""
+    for suffix, errors in ((output_file_id(""), False), (error_file_id(""), True)):
+        if isinstance(file_id, str) and file_id.startswith(keys.BATCH_ID_PREFIX) and file_id.endswith(suffix):
+            return file_id[:-len(suffix)], errors
+    return None
+
+
 def parse_window(window: str) -> int:
     """Seconds in a completion window such as `24h`, `30m`, `45s` or `2d`."""
     match = WINDOW_PATTERN.fullmatch(window) if isinstance(window, str) else None
