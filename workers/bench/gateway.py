@@ -1,0 +1,224 @@
+"""What the HTTP gateway costs: a large batch file uploaded and turned into a batch, and streaming through the
+gateway against the Python client on the same worker.
+
+    python -m workers.bench.gateway --lines 10000 --requests 20 --max-tokens 64 --threads 1
+
+Runs a redis-server of its own (a free loopback port, no persistence), a `batcher serve` process and, for the
+streaming part, one `batcher worker` process on --model. Everything goes through real sockets.
+
+- upload: the file is uploaded with the official `openai` SDK (files.create), then made a batch
+  (batches.create); the gateway's resident memory is sampled all along (its peak against its size before).
+  No worker runs: the batch's jobs only queue.
+- streaming: the same chat request, greedy, `ignore_eos`, one at a time, alternately through the Python
+  client (`Client.submit` then `Client.stream`) and through the gateway (the SDK's
+  `chat.completions.create(stream=True)`), the order swapped every round. Time to first token is from the
+  call to the first text; tokens/s is the generated tokens over the time from the first text to the last.
+  Figures are medians; `added_ttft_ms` is the median of each round's difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+from redis import Redis
+
+from batcher.client import Client
+from batcher.schema import ChatMessage, GenerationRequest, SamplingParams
+from workers.bench.batches import _batch_lines, _free_port
+from workers.bench.record import PeakRss
+from workers.bench.report import _cpu_name
+
+QUEUE = "bench"
+READY_S = 300  # a worker loads torch and the model on a busy machine
+PROMPT = "Write a short story about a queue of requests waiting for a GPU."
+
+
+def _start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                               "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
+    connection = Redis(port=port)
+    _wait(lambda: connection.ping(), 10, "redis-server")
+    return server, f"redis://127.0.0.1:{port}/0"
+
+
+def _start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "BATCHER_API_KEYS": ""}
+    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", redis_url,
+                               "--queue", QUEUE, "--max-queue-length", "1000000"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        import httpx
+
+        assert server.poll() is None, log.read_text()
+        try:
+            return httpx.get(f"{base}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    _wait(up, 60, "the gateway")
+    return server, base
+
+
+def _start_worker(redis_url: str, model: str, threads: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen([sys.executable, "-m", "batcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
+                             "--model", model, "--device", "cpu"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"))
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001  (not up yet)
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start within {timeout} s")
+        time.sleep(0.1)
+
+
+def _sdk(base: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def bench_upload(base: str, gateway_pid: int, lines: int, directory: Path) -> dict:
+    path = directory / "requests.jsonl"
+    path.write_text("\n".join(_batch_lines(lines)) + "\n")
+    sdk = _sdk(base)
+    sdk.models.list()  # a first request: the gateway's steady size before the upload
+    before = PeakRss(gateway_pid)._process.memory_info().rss
+    with PeakRss(gateway_pid) as upload_rss:
+        started = time.perf_counter()
+        with path.open("rb") as f:
+            uploaded = sdk.files.create(file=f, purpose="batch")
+        uploaded_at = time.perf_counter()
+    with PeakRss(gateway_pid) as create_rss:
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        created_at = time.perf_counter()
+    return {"lines": lines, "file_mib": round(path.stat().st_size / 2**20, 2),
+            "upload_s": round(uploaded_at - started, 3), "create_batch_s": round(created_at - uploaded_at, 3),
+            "batch_total": batch.request_counts.total, "gateway_rss_before_mib": round(before / 2**20, 1),
+            "gateway_peak_added_upload_mib": round((upload_rss.peak - before) / 2**20, 1),
+            "gateway_peak_added_create_batch_mib": round((create_rss.peak - before) / 2**20, 1)}
+
+
+def _via_client(client: Client, model: str, max_tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first text, seconds from the first text to the last, generated tokens)."""
+    request = GenerationRequest(messages=[ChatMessage(role="user", content=PROMPT)], model=model,
+                                sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    started = time.perf_counter()
+    job_id = client.submit(request)
+    first = last = None
+    tokens = 0
+    for event in client.stream(job_id):
+        if event.type == "token" and event.text:
+            last = time.perf_counter()
+            first = first or last
+        if event.type == "done":
+            tokens = event.usage.completion_tokens
+    return first - started, last - first, tokens
+
+
+def _via_gateway(sdk, model: str, max_tokens: int) -> tuple[float, float, int]:
+    started = time.perf_counter()
+    stream = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                         max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True})
+    first = last = None
+    tokens = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter()
+            first = first or last
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return first - started, last - first, tokens
+
+
+def bench_streaming(base: str, redis_url: str, model: str, requests: int, max_tokens: int) -> dict:
+    client = Client(redis_url, queue=QUEUE)
+    sdk = _sdk(base)
+    _wait(lambda: model in [m.id for m in sdk.models.list()], READY_S, "the worker")
+    _via_client(client, model, 4), _via_gateway(sdk, model, 4)  # warm both paths (a model's first steps are slower)
+    runs: dict[str, list[tuple[float, float, int]]] = {"client": [], "gateway": []}
+    for i in range(requests):
+        order = ("client", "gateway") if i % 2 == 0 else ("gateway", "client")
+        for name in order:
+            via = _via_client(client, model, max_tokens) if name == "client" else _via_gateway(sdk, model, max_tokens)
+            runs[name].append(via)
+    summary = {}
+    for name, results in runs.items():
+        summary[name] = {"ttft_ms_p50": round(statistics.median(r[0] for r in results) * 1000, 1),
+                         "tokens_per_s_p50": round(statistics.median((r[2] - 1) / r[1] for r in results), 2),
+                         "tokens": results[0][2]}
+    added = [g[0] - c[0] for c, g in zip(runs["client"], runs["gateway"])]
+    summary["added_ttft_ms_p50"] = round(statistics.median(added) * 1000, 1)
+    summary["tokens_per_s_ratio"] = round(summary["gateway"]["tokens_per_s_p50"] / summary["client"]["tokens_per_s_p50"], 3)
+    summary["goals_met"] = {"tokens_per_s_ratio >= 0.9": summary["tokens_per_s_ratio"] >= 0.9,
+                            "added_ttft_ms_p50 <= 20": summary["added_ttft_ms_p50"] <= 20}
+    return summary
+
+
+def run(lines: int, requests: int, max_tokens: int, model: str, threads: int, keep_logs: bool) -> dict:
+    directory = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    processes = []
+    try:
+        redis_server, redis_url = _start_redis(directory)
+        processes.append(redis_server)
+        gateway, base = _start_gateway(redis_url, directory / "gateway.log")
+        processes.append(gateway)
+        report = {"cpu": _cpu_name(), "worker_threads": threads, "model": model}
+        if lines:
+            report["upload"] = bench_upload(base, gateway.pid, lines, directory)
+            Redis.from_url(redis_url).flushdb()  # the batch's queued jobs: no worker is to run them
+        if requests:
+            processes.append(_start_worker(redis_url, model, threads, directory / "worker.log"))
+            report["streaming"] = {"requests": requests, "max_tokens": max_tokens,
+                                   **bench_streaming(base, redis_url, model, requests, max_tokens)}
+        return report
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        if keep_logs:
+            click.echo(f"logs in {directory}", err=True)
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+@click.command()
+@click.option("--lines", type=click.IntRange(0), default=10_000, show_default=True,
+              help="Lines of the uploaded batch file (0: skip the upload part).")
+@click.option("--requests", type=click.IntRange(0), default=20, show_default=True,
+              help="Streamed requests through each path (0: skip the streaming part).")
+@click.option("--max-tokens", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--model", default="smollm2", show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="The worker's torch threads.")
+@click.option("--keep-logs", is_flag=True, help="Keep the gateway's and the worker's logs.")
+def main(lines, requests, max_tokens, model, threads, keep_logs) -> None:
+    """Measure the gateway: a LINES-line batch file upload, and streaming against the Python client; print JSON."""
+    click.echo(json.dumps(run(lines, requests, max_tokens, model, threads, keep_logs), indent=1))
+
+
+if __name__ == "__main__":
+    main()
