@@ -64,8 +64,7 @@ async def _complete(request: Request, url: str):
         generation = parse_body(body, url, extra_fields=("stream_options",))
     except BodyError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
-    model = await run_in_threadpool(_served_model, app.state.client, generation)
-    job_id = await run_in_threadpool(app.state.client.submit, generation)
+    model, job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
     created = int(time.time())
     if stream:
         chunks = Chunks(url, job_id, created, model, include_usage)
@@ -97,6 +96,11 @@ def _served_model(client: Client, request: GenerationRequest) -> str:
     offered = f"the models served now: {', '.join(served)}" if served else "no worker is serving any model now"
     name = "any model" if request.model is None else f"the model `{request.model}`"
     raise ApiError(404, f"No live worker serves {name} ({offered}).", param="model", code="model_not_found")
+
+
+def _enqueue(client: Client, request: GenerationRequest) -> tuple[str, str]:
+    """(the model it runs on, the job id): one thread hop for both, since each hop costs time to first token."""
+    return _served_model(client, request), client.submit(request)
 
 
 async def _cancel(client: Client, job_id: str) -> None:
