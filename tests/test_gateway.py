@@ -10,6 +10,7 @@ import threading
 import pytest
 from click.testing import CliRunner
 from fakeredis import aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.testclient import TestClient
 
 from batcher import files as core_files
@@ -281,7 +282,7 @@ def test_failures_answer_openai_errors(gateway, worker):
                         ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options")):
         assert error_of(gateway.post("/v1/completions", headers=A, json=body), 400)["param"] == param
     assert error_of(gateway.post("/v1/completions", headers=A, content=b"[1]"), 400)
-    assert error_of(gateway.get("/v1/nothing", headers=A), 404)
+    assert error_of(gateway.get("/v1/nothing", headers=A), 404)["message"] == "Invalid URL (GET /v1/nothing)"
 
 
 def test_a_full_queue_answers_429(gateway, fake_redis):
@@ -290,6 +291,19 @@ def test_a_full_queue_answers_429(gateway, fake_redis):
         Client(fake_redis).submit({"prompt": "x", "model": MODEL})
     full = gateway.post("/v1/completions", headers=A, json={"model": MODEL, "prompt": "x"})
     assert error_of(full, 429)["code"] == "queue_full"
+
+
+def test_losing_redis_while_waiting_answers_503_and_cancels_the_job(gateway, fake_redis, monkeypatch):
+    pretend_worker(fake_redis)
+
+    async def unreachable(*args, **kwargs):
+        raise RedisConnectionError("Connection refused")
+
+    monkeypatch.setattr(gateway.app.state.aconnection, "xread", unreachable)
+    response = gateway.post("/v1/completions", headers=A, json={"model": MODEL, "prompt": "x"})
+    assert error_of(response, 503)["code"] == "redis_unreachable"
+    (job_id,) = [k.decode().removeprefix("rq:job:") for k in fake_redis.keys("rq:job:*")]
+    assert Client(fake_redis).status(job_id).status == "canceled"
 
 
 def test_a_restarted_job_streams_on_seamlessly_or_says_it_diverged():

@@ -113,9 +113,10 @@ async def _cancel(client: Client, job_id: str) -> None:
 
 
 # ----- waiting for the result -----
-async def _answer(request: Request, job_id: str, url: str, created: int) -> JSONResponse:
+async def _wait_for_end(request: Request, job_id: str):
+    """The job's terminal event, or None if the client left first (the job is then cancelled)."""
     app = request.app
-    end = None
+    end, failure = None, None
     async with anyio.create_task_group() as group:
         async def watch_disconnect() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -126,10 +127,20 @@ async def _answer(request: Request, job_id: str, url: str, created: int) -> JSON
         try:
             async for event in jobs.events(app.state.aconnection, app.state.client, job_id):
                 end = event if event.terminal else end
+        except Exception as exc:  # noqa: BLE001  (raised below, outside the group, which would wrap it)
+            failure = exc
         finally:
             if end is None:
                 await _cancel(app.state.client, job_id)
         group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return end
+
+
+async def _answer(request: Request, job_id: str, url: str, created: int) -> JSONResponse:
+    app = request.app
+    end = await _wait_for_end(request, job_id)
     if end is None:  # the client left; nobody reads this
         raise ApiError(499, CANCELLED_MESSAGE, code="client_closed_request")
     if end.type == "error":

@@ -55,8 +55,9 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's own faults (no such route, a method the route lacks) in OpenAI's format."""
-    return ApiError(exc.status_code, exc.detail or "", headers=exc.headers).response()
+    """Starlette's own faults (no such route, a method the route lacks) in OpenAI's format and words."""
+    message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) else exc.detail
+    return ApiError(exc.status_code, message or "", headers=exc.headers).response()
 
 
 async def _not_found(request: Request, exc: Exception) -> JSONResponse:

@@ -163,8 +163,8 @@ def test_faults_come_back_as_the_sdks_typed_exceptions(gateway):
         a.batches.create(input_file_id="file-nope", endpoint="/v1/embeddings", completion_window="24h")
 
 
-def test_a_client_that_leaves_mid_stream_cancels_its_job(gateway):
-    base, url, _ = gateway
+def test_a_client_that_leaves_cancels_its_job_streaming_or_waiting(gateway):
+    base, url, connection = gateway
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"},
@@ -174,3 +174,10 @@ def test_a_client_that_leaves_mid_stream_cancels_its_job(gateway):
         next(line for line in lines if '"content": "' in line and '"content": ""' not in line)  # a token arrived
     client = Client(url, queue=QUEUE)
     wait_for(lambda: client.status(job_id).status in ("stopped", "canceled"), 20, "the abandoned job to stop")
+
+    streams = set(connection.keys("batcher:stream:*"))
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
+        httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=2),
+                   headers={"Authorization": f"Bearer {KEY_A}"})
+    (waited,) = {k.decode().removeprefix("batcher:stream:") for k in set(connection.keys("batcher:stream:*")) - streams}
+    wait_for(lambda: client.status(waited).status in ("stopped", "canceled"), 20, "the abandoned job to stop")
