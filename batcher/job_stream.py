@@ -47,4 +47,3 @@ class AttemptFilter:
             self.current = event.execution_id
             return True
         return event.execution_id in (self.current, None)
-

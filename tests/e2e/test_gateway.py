@@ -2,12 +2,15 @@
 `batcher worker` on a tiny model, and the real Redis.
 
 One worker serves `tiny-gw` on queue `gw`; one gateway serves it with two API keys (two tenants) and a small
-file limit, so that a 413 is cheap to provoke."""
+file limit, so that a 413 is cheap to provoke. The crash test adds a second worker and SIGKILLs whichever runs
+its job; the survivor serves whatever runs after it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -38,12 +41,26 @@ def chat_line(i: int, tokens: int, **body) -> str:
 
 
 @pytest.fixture(scope="module")
-def gateway(e2e_redis, tiny_model_dir, tmp_path_factory):
+def workers() -> dict[str, subprocess.Popen]:
+    """The module's worker processes by name; a test may add one (all are stopped at the end)."""
+    running: dict[str, subprocess.Popen] = {}
+    yield running
+    for process in running.values():
+        stop(process)
+
+
+def add_worker(workers, url: str, connection, model_dir, log) -> str:
+    name, process = start_worker(url, model_dir, QUEUE, log, 8, "--served-model-name", MODEL)
+    workers[name] = process
+    wait_ready(connection, name, process)
+    return name
+
+
+@pytest.fixture(scope="module")
+def gateway(e2e_redis, tiny_model_dir, tmp_path_factory, workers):
     """A worker and a gateway: (base url, Redis url, Redis connection)."""
     url, connection = e2e_redis
     logs = tmp_path_factory.mktemp("gw")
-    name, worker = start_worker(url, tiny_model_dir("llama"), QUEUE, logs / "worker.log", 8,
-                                "--served-model-name", MODEL)
     port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
     server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
@@ -51,7 +68,7 @@ def gateway(e2e_redis, tiny_model_dir, tmp_path_factory):
                               env=env, stdout=subprocess.DEVNULL, stderr=(logs / "gateway.log").open("w"))
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(connection, name, worker)
+        add_worker(workers, url, connection, tiny_model_dir("llama"), logs / "worker.log")
 
         def serving() -> bool:
             assert server.poll() is None, (logs / "gateway.log").read_text()
@@ -64,7 +81,6 @@ def gateway(e2e_redis, tiny_model_dir, tmp_path_factory):
         yield base, url, connection
     finally:
         stop(server)
-        stop(worker)
 
 
 def sdk(base: str, key: str) -> OpenAI:
@@ -177,7 +193,28 @@ def test_a_client_that_leaves_cancels_its_job_streaming_or_waiting(gateway):
 
     streams = set(connection.keys("batcher:stream:*"))
     with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
-        httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=2),
+        httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=0.25),
                    headers={"Authorization": f"Bearer {KEY_A}"})
     (waited,) = {k.decode().removeprefix("batcher:stream:") for k in set(connection.keys("batcher:stream:*")) - streams}
     wait_for(lambda: client.status(waited).status in ("stopped", "canceled"), 20, "the abandoned job to stop")
+
+
+def test_a_stream_goes_on_seamlessly_when_its_worker_dies(gateway, workers, tiny_model_dir, tmp_path):
+    """The job restarts on another worker; greedy, it generates the same tokens again, which the gateway holds
+    back until they pass what the client already has: one answer, equal to the job's result."""
+    base, url, connection = gateway
+    add_worker(workers, url, connection, tiny_model_dir("llama"), tmp_path / "second.log")
+    client = Client(url, queue=QUEUE)
+    stream = sdk(base, KEY_A).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=LONG, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    job_id = first.id.removeprefix("chatcmpl-")
+    text = [c.choices[0].delta.content or "" for c in itertools.islice(chunks, 5)]  # tokens are flowing
+    running_on = client.status(job_id).worker
+    workers[running_on].send_signal(signal.SIGKILL)
+    text += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    result = client.result(job_id, timeout=60)
+    assert result.worker != running_on and result.usage.completion_tokens == LONG
+    assert "".join(text) == result.text
