@@ -10,13 +10,13 @@ DEFAULT_MAX_NUM_SEQS = 32
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-DEFAULT_DTYPE = "float32"
+DEFAULT_DTYPE = "auto"  # the fastest dtype the device has, measured at start-up (workers.precision)
 DEFAULT_DEVICE = "auto"
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
 Policy = Literal["continuous", "static"]
 POLICIES = ("continuous", "static")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class EngineConfig:
     dtype: str = DEFAULT_DTYPE
     device: str = DEFAULT_DEVICE
     policy: Policy = "continuous"
+    compile: bool = False  # torch.compile the forward of small steps: faster steps, a slower start
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):

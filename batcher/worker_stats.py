@@ -7,7 +7,7 @@ name to `keys.WORKERS_SET`; `batcher.admin.list_workers` reads them back with `W
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Literal
 
 WorkerState = Literal["idle", "busy", "suspended", "draining"]
@@ -26,6 +26,7 @@ class WorkerStats:
     kv_usage: float  # fraction of KV-cache blocks in use
     tokens_per_s: float  # generated since the previous heartbeat
     last_heartbeat: float  # time.time()
+    dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved); unknown from an older worker
 
     @property
     def heartbeat_age_s(self) -> float:
@@ -39,11 +40,14 @@ class WorkerStats:
 
     @classmethod
     def from_hash(cls, raw: dict) -> WorkerStats:
-        """Parse a hash as redis-py returns it (bytes or str); fields a newer worker added are ignored."""
+        """Parse a hash as redis-py returns it (bytes or str); fields a newer worker added are ignored, and
+        fields an older worker did not publish take their default."""
         text = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
                 for k, v in raw.items()}
         values = {}
         for f in fields(cls):
+            if f.name not in text and f.default is not MISSING:
+                continue
             kind = {"int": int, "float": float}.get(f.type, str)
             values[f.name] = kind(text[f.name])
         return cls(**values)

@@ -4,12 +4,16 @@ A step's new tokens of all sequences are concatenated into one row. Decode token
 per sequence) come first, then prefill chunks. Keys and values live in a paged cache per layer,
 `[num_blocks * block_size, kv_heads, head_dim]`, addressed by slot numbers.
 
-`paged_attention` has the signature of a transformers attention function; the runner registers
-it and passes the step's `AttentionMetadata` as the `attn_metadata` keyword of the model call.
+`paged_attention` has the signature of a transformers attention function; the model loader registers
+it. The runner builds the step's `AttentionMetadata` once and runs the forward inside
+`step_metadata(...)`, where every layer reads it. Inside a compiled forward each layer's attention is
+the op `batcher::paged_attention`, which the compiler treats as opaque.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,13 +25,13 @@ ATTENTION_NAME = "batcher_paged"
 @dataclass
 class PrefillSpan:
     """One sequence's prompt chunk: rows `[q_start, q_start + q_len)` of the batch, at cache
-    positions `[ctx_start, ctx_start + q_len)`. `context_slots` addresses all its keys so far,
-    or is None when the chunk is the whole context (first chunk: attend to the fresh keys)."""
+    positions `[ctx_start, ctx_start + q_len)`. `context_blocks` lists the KV blocks of all its keys so
+    far, or is None when the chunk is the whole context (first chunk: attend to the fresh keys)."""
 
     q_start: int
     q_len: int
     ctx_start: int
-    context_slots: torch.Tensor | None
+    context_blocks: torch.Tensor | None
 
 
 @dataclass
@@ -47,11 +51,18 @@ class AttentionMetadata:
     """One step's addressing, built once per step by the runner and shared by every layer."""
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    num_tokens: int  # the step's real tokens; a compiled forward may run on more rows (padding)
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of every new token
     num_decodes: int  # the first rows: one query token per sequence
     block_size: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+
+    @classmethod
+    def idle(cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+             device: torch.device) -> AttentionMetadata:
+        """A step with no real token (every row is padding): what compiling a graph runs."""
+        return cls(kv_caches, 0, torch.empty(0, dtype=torch.long, device=device), 0, block_size, [], [])
 
 
 def length_bias(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -59,6 +70,13 @@ def length_bias(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> t
     k_pos = torch.arange(width, device=context_lens.device).unsqueeze(0)
     bias = torch.zeros(context_lens.shape[0], width, dtype=dtype, device=context_lens.device)
     return bias.masked_fill_(k_pos >= context_lens.unsqueeze(1), float("-inf"))
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The keys (or values) of `blocks`, in order: `[len(blocks) * block_size, kv_heads, head_dim]`. One
+    `index_select` of whole blocks of contiguous rows, far cheaper than indexing each key's slot."""
+    kv_heads, dim = cache.shape[1:]
+    return cache.view(-1, block_size, kv_heads, dim).index_select(0, blocks).view(-1, kv_heads, dim)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,8 +142,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     batch, heads, dim = query.shape
     kv_heads = k_cache.shape[1]
     flat = block_tables.reshape(-1)
-    k = k_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
-    v = v_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    k = gather_blocks(k_cache, flat, block_size).view(batch, -1, kv_heads, dim)
+    v = gather_blocks(v_cache, flat, block_size).view(batch, -1, kv_heads, dim)
     if sliding_window is not None:
         k_pos = torch.arange(bias.shape[1], device=bias.device).unsqueeze(0)
         bias = bias.masked_fill(k_pos <= (context_lens - 1 - sliding_window).unsqueeze(1), float("-inf"))
@@ -135,33 +153,81 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.reshape(batch, heads, dim)
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    sliding_window=None, attn_metadata: AttentionMetadata | None = None, **kwargs):
-    """The transformers attention function: `query [1, H, T, D]`, `key/value [1, Hkv, T, D]`,
-    returns `([1, T, H, D], None)`."""
-    if attn_metadata is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's attn_metadata; "
-                           "run the model through workers.runner.ModelRunner")
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention softcapping and sinks are not supported")
-    md = attn_metadata
-    scaling = module.scaling if scaling is None else scaling
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1)
-    k_cache, v_cache = md.kv_caches[module.layer_idx]
-    write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+_current: AttentionMetadata | None = None
 
-    out = torch.empty_like(q)
+
+@contextmanager
+def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
+    """Make `metadata` the step's addressing that every attention layer of the forward inside reads
+    (as vLLM's forward context): the model call itself then carries only token ids and positions."""
+    global _current
+    _current = metadata
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def current_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's metadata: run the model through "
+                           "workers.runner.ModelRunner (inside kernels.attention.step_metadata)")
+    return _current
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, layer_idx: int,
+           scaling: float, sliding_window: int | None) -> torch.Tensor:
+    """One layer's attention over the step: `q [T, H, D]`, `k/v [T, Hkv, D]`; it also writes the new
+    keys and values to the layer's cache. Rows past `md.num_tokens` are padding: they get zeros."""
+    n = md.num_tokens
+    k_cache, v_cache = md.kv_caches[layer_idx]
+    write_kv(k[:n], v[:n], k_cache, v_cache, md.slot_mapping)
+    if n == q.shape[0] and not md.prefills and len(md.decode_groups) == 1:  # all decodes, one group: no copy
+        g = md.decode_groups[0]
+        return paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.bias, md.block_size, scaling,
+                                      g.context_lens, sliding_window)
+    out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)
     for g in md.decode_groups:
         out[g.start : g.end] = paged_decode_attention(q[g.start : g.end], k_cache, v_cache, g.block_tables, g.bias,
                                                       md.block_size, scaling, g.context_lens, sliding_window)
     for span in md.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
-        if span.context_slots is None:
+        if span.context_blocks is None:
             ctx_k, ctx_v = k[rows], v[rows]
         else:
-            ctx_k = k_cache[span.context_slots].to(q.dtype)
-            ctx_v = v_cache[span.context_slots].to(q.dtype)
+            length = span.ctx_start + span.q_len
+            ctx_k = gather_blocks(k_cache, span.context_blocks, md.block_size)[:length].to(q.dtype)
+            ctx_v = gather_blocks(v_cache, span.context_blocks, md.block_size)[:length].to(q.dtype)
         out[rows] = prefill_attention(q[rows], ctx_k, ctx_v, span.ctx_start, scaling, sliding_window)
+    return out
+
+
+@torch.library.custom_op("batcher::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float,
+                       sliding_window: int) -> torch.Tensor:
+    """`attend` on the current step's metadata, as an op opaque to torch.compile: a compiled forward
+    then depends on the token count alone, not on block tables or the batch's layout. It reads (and
+    writes the KV cache) outside the graph, so no CUDA graph may capture it."""
+    return attend(q, k, v, current_metadata(), layer_idx, scaling, sliding_window or None)
+
+
+@paged_attention_op.register_fake
+def _(q, k, v, layer_idx, scaling, sliding_window):
+    return torch.empty_like(q)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, **kwargs):
+    """The transformers attention function: `query [1, H, T, D]`, `key/value [1, Hkv, T, D]`,
+    returns `([1, T, H, D], None)`. Eager calls run `attend` directly; a compiled forward calls the op."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention softcapping and sinks are not supported")
+    scaling = module.scaling if scaling is None else scaling
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    if torch.compiler.is_compiling():
+        out = paged_attention_op(q, k, v, module.layer_idx, scaling, sliding_window or 0)
+    else:  # the op's own dispatch costs ~20 us a layer, for nothing outside a graph
+        out = attend(q, k, v, current_metadata(), module.layer_idx, scaling, sliding_window)
     return out.unsqueeze(0), None

@@ -14,8 +14,9 @@ from workers.engine import Engine, build_engine
 _references: dict[str, torch.nn.Module] = {}
 
 
-def engine_for(model_dir, **config) -> Engine:
-    return build_engine(EngineConfig(model=str(model_dir), **config))
+def engine_for(model_dir, dtype="float32", **config) -> Engine:
+    """An engine on a tiny model, in float32 unless asked otherwise: the token-equality contract holds in float32."""
+    return build_engine(EngineConfig(model=str(model_dir), dtype=dtype, **config))
 
 
 def greedy(prompt_ids, max_tokens, **sampling) -> GenerationRequest:

@@ -68,6 +68,10 @@ class FakeEngine:
     def kv_cache_usage(self) -> float:
         return len(self._requests) / self.max_num_seqs
 
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
     def step(self) -> list[RequestOutput]:
         outputs = []
         for request_id, req in list(self._requests.items()):

@@ -3,12 +3,14 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from batcher.cli import main
 from batcher.config import EngineConfig
 from tests.jobs_support import claim_database, release_database
 from workers.bench.report import ModelCost, first_difference, percentiles
+from workers.bench.roofline import Roofline
 from workers.bench.run import run_bench
 from workers.bench.system import ALL_SYSTEMS, System
 from workers.bench.workload import WorkloadRequest
@@ -21,7 +23,7 @@ WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
 def report(tiny_model_dir):
     """Every system, the @redis ones through a database of the real Redis that only this module uses."""
     config = EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=2, max_num_batched_tokens=16,
-                          block_size=4, kv_cache_bytes=1 << 20)
+                          block_size=4, kv_cache_bytes=1 << 20, dtype="float32")
     url, connection = claim_database()
     try:
         yield run_bench(WORKLOAD, "tiny", [System.parse(s) for s in ALL_SYSTEMS], System.parse("batcher:static"),
@@ -47,9 +49,14 @@ def test_metrics_are_derived_from_per_token_times(report):
         assert s.ttft_s["p50"] <= s.ttft_s["max"] and s.itl_s["p50"] <= s.itl_s["max"]
         assert s.cumulative_tokens[-1][1] == s.generated_tokens
         assert 0 < s.mfu < 1 and s.peak_rss_mb > 0
+        assert 0 < s.pct_of_limit <= 100, s.system
+        assert (s.lone_decode_step_s is not None) == (s.system in ("batcher:continuous", "batcher:static", "hf-naive"))
         assert s.system in table
     assert report.system("batcher:static").mean_batch < report.system("batcher:continuous").mean_batch + 1e-9
-    assert json.loads(json.dumps(report.to_dict()))["baseline"] == "batcher:static"
+    as_json = json.loads(json.dumps(report.to_dict()))
+    assert as_json["baseline"] == "batcher:static" and as_json["dtype"] == "float32"
+    assert as_json["roofline"]["limit_s"] > 0 and "pct_of_limit" in as_json["systems"][0]
+    assert "% limit" in table and "roofline limit" in table and "weight-read floor" in table
 
 
 def test_a_disagreement_is_reported():
@@ -67,6 +74,17 @@ def test_model_cost_counts_weights_and_attention(tiny_model_dir):
     assert cost.matmul_params == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
     assert cost.head_params == 384 * 64
     assert cost.request_flops(1, 1) == 2 * cost.matmul_params + 2 * cost.head_params + cost.attention_flops_per_key
+
+
+def test_roofline_counts_the_decode_steps_any_scheduler_needs_and_the_flops():
+    cost = ModelCost(matmul_params=1000, head_params=500, attention_flops_per_key=10)
+    # outputs 12+3+6+2+5 = 28: at 2 slots, 14 steps; at 32 slots the longest output, 12
+    for slots, steps in ((2, 14), (32, 12)):
+        roofline = Roofline.of(WORKLOAD, cost, torch.bfloat16, slots, matmul_flop_s=1e9, read_bytes_s=3e6)
+        flops = sum(cost.request_flops(w.prompt_len, w.max_tokens) for w in WORKLOAD)
+        assert roofline.decode_steps == steps and roofline.weight_bytes == 1500 * 2
+        assert roofline.limit_s == pytest.approx(steps * 1e-3 + flops / 1e9)
+        assert roofline.pct_of_limit(2 * roofline.limit_s) == pytest.approx(50)
 
 
 def test_systems_are_named_as_on_the_command_line():
@@ -92,8 +110,8 @@ def test_cli_runs_systems_and_writes_json_and_plot(tiny_model_dir, tmp_path):
     pytest.importorskip("matplotlib")
     result = CliRunner().invoke(main, [
         "bench", "--model", str(tiny_model_dir("llama")), "--workload", str(workload), "--max-num-seqs", "2",
-        "--kv-cache-bytes", str(1 << 20), "--systems", "batcher:continuous,hf-naive", "--baseline", "hf-naive",
-        "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+        "--kv-cache-bytes", str(1 << 20), "--dtype", "float32", "--systems", "batcher:continuous,hf-naive",
+        "--baseline", "hf-naive", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
     assert result.exit_code == 0, result.output
     assert "batcher:continuous" in result.output and "x hf-naive" in result.output
     assert json.loads((tmp_path / "r.json").read_text())["systems"][1]["system"] == "hf-naive"
@@ -112,7 +130,7 @@ def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
     """Workloads generate exactly max_tokens: the model's default EOS must not end a row early."""
     from workers.bench.peers import load_hf_model, run_hf_naive
 
-    model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama"))))
+    model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32"))
     first = run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"]
     model.generation_config.eos_token_id = first[0]
     assert run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"] == first

@@ -26,7 +26,7 @@ def test_run_writes_results_in_order_and_survives_bad_lines(tiny_model_dir, tmp_
     src.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
     dst = tmp_path / "out.jsonl"
     result = CliRunner().invoke(main, ["run", "--model", str(model), "--input", str(src), "--output", str(dst),
-                                       "--max-model-len", "128", "--max-num-batched-tokens", "8"])
+                                       "--max-model-len", "128", "--max-num-batched-tokens", "8", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [o["custom_id"] for o in out] == ["long", None, "too-long", "short", "chat"]

@@ -11,7 +11,7 @@ from batcher.worker_stats import WorkerStats
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
 STATS = WorkerStats(name="w1", host="h", pid=42, queues="a,b", model="m", state="busy", in_flight=3,
-                    free_slots=5, kv_usage=0.25, tokens_per_s=12.5, last_heartbeat=1700000000.5)
+                    free_slots=5, kv_usage=0.25, tokens_per_s=12.5, last_heartbeat=1700000000.5, dtype="bfloat16")
 
 
 def test_worker_stats_survive_a_round_trip_through_a_redis_hash(fake_redis):
@@ -20,6 +20,8 @@ def test_worker_stats_survive_a_round_trip_through_a_redis_hash(fake_redis):
     assert WorkerStats.from_hash(fake_redis.hgetall(key)) == STATS
     fake_redis.hset(key, "added_by_a_newer_worker", "x")
     assert WorkerStats.from_hash(fake_redis.hgetall(key)) == STATS
+    fake_redis.hdel(key, "dtype")  # a worker from before dtypes were published
+    assert WorkerStats.from_hash(fake_redis.hgetall(key)).dtype == "unknown"
 
 
 def test_backoff_doubles_up_to_its_cap_and_resets():

@@ -10,7 +10,7 @@ from workers.engine import Engine
 from workers.engine_api import EngineProtocol
 
 METHODS = ["add", "step", "abort", "has_work"]
-PROPERTIES = ["free_slots", "num_running", "num_waiting", "kv_cache_usage"]
+PROPERTIES = ["free_slots", "num_running", "num_waiting", "kv_cache_usage", "dtype"]
 
 
 @pytest.mark.parametrize("impl", [Engine, FakeEngine])

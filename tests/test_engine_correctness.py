@@ -21,7 +21,7 @@ SETTINGS = {
 def test_tokens_equal_generate_alone(tiny_model_dir, family, setting):
     knobs, n = SETTINGS[setting]
     model_dir = tiny_model_dir(family)
-    engine = engine_for(model_dir, **knobs)
+    engine = engine_for(model_dir, dtype="float32", **knobs)
     rng = random.Random(setting)
     prompts = random_prompts(n, seed=len(setting), max_len=40)
     lengths = [rng.randint(1, 40) for _ in prompts]

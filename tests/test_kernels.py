@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import decode_attention, length_bias, paged_decode_attention, prefill_attention, write_kv
+from kernels.attention import (decode_attention, gather_blocks, length_bias, paged_decode_attention, prefill_attention,
+                               write_kv)
 
 
 def dense_reference(q, k, v, q_positions, scaling, window=None):
@@ -70,6 +71,13 @@ def test_block_gather_decode_matches_the_reference(window):
     bias = length_bias(lens, tables.shape[1] * block, torch.float32)
     got = paged_decode_attention(q, k_cache, v_cache, tables, bias, block, 0.4, lens, window)
     torch.testing.assert_close(got, want)
+
+
+def test_gathering_whole_blocks_equals_indexing_each_slot():
+    cache = torch.randn(10 * 4, 2, 8)
+    blocks = torch.tensor([7, 2, 9])
+    slots = torch.tensor([b * 4 + i for b in blocks.tolist() for i in range(4)])
+    assert torch.equal(gather_blocks(cache, blocks, 4), cache[slots])
 
 
 def test_transformers_loads_a_model_with_our_kernels_package_importable(tiny_model_dir):

@@ -5,7 +5,8 @@ import sys
 
 CORE_MODULES = ["batcher", "batcher.schema", "batcher.config", "batcher.scheduler", "batcher.blocks", "batcher.keys",
                 "batcher.jobs", "batcher.client", "batcher.admin", "batcher.redis_retry", "batcher.worker_stats",
-                "batcher.openai_batch", "batcher.files", "batcher.cli", "batcher.gateway.app"]
+                "batcher.batches", "batcher.feed", "batcher.errors", "batcher.job_stream", "batcher.openai_batch",
+                "batcher.files", "batcher.cli", "batcher.gateway.app"]
 
 
 def test_core_imports_without_torch():

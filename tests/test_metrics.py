@@ -25,6 +25,7 @@ EXPECTED_METRICS = {
     "batcher_num_requests_running": ("gauge", {"model_name"}),
     "batcher_num_requests_waiting": ("gauge", {"model_name"}),
     "batcher_kv_cache_usage_perc": ("gauge", {"model_name"}),
+    "batcher_engine_info": ("gauge", {"model_name", "dtype"}),
     "batcher_queue_depth": ("gauge", {"queue"}),
     "batcher_time_to_first_token_seconds": ("histogram", {"model_name"}),
     "batcher_inter_token_latency_seconds": ("histogram", {"model_name"}),
@@ -44,7 +45,8 @@ def engine(tiny_model_dir):
     # 3 slots for 5 requests, so some wait; 10 blocks of 4 tokens hold 3 prompts but not their
     # outputs, so decoding preempts.
     return build_engine(EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=3, block_size=4,
-                                     num_blocks=10, max_num_batched_tokens=32, device="cpu"))
+                                     num_blocks=10, max_num_batched_tokens=32, device="cpu",
+                                     dtype="float32"))
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -73,6 +75,8 @@ def test_names_types_and_labels(engine):
     assert reasons == set(FINISHED_REASONS) == {"stop", "length", "cancelled", "timeout", "error"}
     model_names = {s.labels.get("model_name") for f in registry.collect() for s in f.samples} - {None}
     assert model_names == {engine.loaded.name}
+    info = [s for f in registry.collect() if f.name == "batcher_engine_info" for s in f.samples]
+    assert [(s.labels["dtype"], s.value) for s in info] == [("float32", 1.0)]
 
 
 def test_unknown_finish_reason_is_refused(engine):

@@ -237,3 +237,34 @@ def test_a_worker_that_takes_back_a_job_it_still_ran_keeps_the_two_executions_ap
     tail = stream[max(i for i, e in enumerate(stream) if e.type == "restart"):]
     assert {e.execution_id for e in tail} == {fetch(fake_redis, job_id).latest_result().execution_id}
     assert [r.type for r in fetch(fake_redis, job_id).results()] == [Result.Type.SUCCESSFUL]
+
+
+def test_a_recoverer_that_comes_late_finds_nothing_to_recover(fake_redis):
+    """Two workers saw the same expired lease; the first recovered the job, which then ran to its end and released
+    its lease. The second, slow, must not requeue the finished job."""
+    client = Client(fake_redis, queue=Q)
+    job_id = client.submit(request(max_tokens=5))
+    run_until_killed(fake_redis)
+    (index,) = fake_redis.keys("batcher:leases:*")
+    (member,) = fake_redis.zrange(index, 0, -1)
+    expire_leases(fake_redis)
+    make_worker(fake_redis).work(burst=True)  # recovers the job and runs it to its end
+    late = make_worker(fake_redis)
+    dead_job, dead_execution = member.decode().split(":")
+    assert not late.keeper._recover(Queue(Q, connection=fake_redis, serializer=JSONSerializer), dead_job, dead_execution)
+    assert Queue(Q, connection=fake_redis).count == 0
+    assert [r.type for r in fetch(fake_redis, job_id).results()] == [Result.Type.SUCCESSFUL]
+
+
+def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_requeued(fake_redis, monkeypatch):
+    client = Client(fake_redis, queue=Q)
+    job_id = client.submit(request(max_tokens=4))
+    queue = Queue(Q, connection=fake_redis, serializer=JSONSerializer)
+    fake_redis.lmove(queue.key, queue.intermediate_queue_key)  # taken (LMOVE), then the worker was killed
+    worker = make_worker(fake_redis)
+    assert worker.keeper.recover_expired() == 0  # first seen: it may still be starting
+    monkeypatch.setattr("workers.leases.STRANDED_GRACE_LEASES", 0)
+    assert worker.keeper.recover_expired() == 1
+    assert queue.job_ids == [job_id] and fake_redis.llen(queue.intermediate_queue_key) == 0
+    worker.work(burst=True)
+    assert client.result(job_id, timeout=10).text == expected_text(4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -79,6 +79,11 @@ class Engine:
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use."""
         return self.scheduler.allocator.usage
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in (never "auto": `build_engine` resolves it)."""
+        return self.config.dtype
 
     @property
     def num_running(self) -> int:
@@ -234,9 +239,11 @@ class Engine:
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    """Load `config.model` and build an engine around it."""
+    """Load `config.model` and build an engine around it, with `dtype="auto"` resolved (and logged)."""
     from workers.models import load_model
-    from workers.runner import DTYPES
+    from workers.precision import DTYPES, resolve_dtype
+    from workers.runner import resolve_device
 
     torch.set_grad_enabled(False)
+    config = replace(config, dtype=resolve_dtype(config.dtype, resolve_device(config.device)))
     return Engine(load_model(config.model, DTYPES[config.dtype]), config)

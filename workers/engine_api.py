@@ -96,3 +96,7 @@ class EngineProtocol(Protocol):
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use."""
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in, e.g. "bfloat16" (never "auto")."""

@@ -8,11 +8,14 @@
   (`workers.streams`), the result and the force-stop requeue through transactions that WATCH it (`fenced`).
   Redis aborts such a transaction if the key changed or expired in between.
 - Recovery: `keys.lease_index_key(queue)` lists the leases by expiry. Every tick, the keeper looks for
-  expired ones; for each whose lease key is gone, it claims the job with SET NX (exactly one worker wins) and,
+  expired ones; for each still indexed whose lease key is gone, it claims the job with SET NX in one script
+  (exactly one worker wins, once per execution) and,
   in one transaction, requeues it at the front of its queue, or ends it: stopped if it was cancelled
   meanwhile, failed if it has been started MAX_ATTEMPTS times (a job that keeps killing its workers).
-  The job's own RQ `Retry` plays no part, so a job enqueued with plain RQ is recovered the same way, and RQ's
-  started registry sees a long lease (`rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
+  A job a dead worker had taken from its queue but not started yet (still in RQ's intermediate list after
+  STRANDED_GRACE_LEASES leases) goes back to the front of its queue. The job's own RQ `Retry` plays no part, so
+  a job enqueued with plain RQ is recovered the same way, and RQ's started registry sees a long lease
+  (`rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ RECOVERY_BATCH = 100  # expired leases looked at per queue and tick
 MAX_WATCH_RETRIES = 5  # a fenced transaction retried when the keeper renewed one of its leases meanwhile
 RECOVERING = "recovering"  # what a lease key holds while a worker recovers its job
 CANCELLED_WHILE_LOST = "cancelled while its worker was lost"
+ENDED_STATUSES = ("finished", "failed", "stopped", "canceled")
+# A job taken (moved to the intermediate list) is started within milliseconds; one still there this many leases
+# later was taken by a worker that died before starting it.
+STRANDED_GRACE_LEASES = 2
 
 # KEYS: per job, its lease key and its queue's lease index. ARGV: the lease in ms, then per job: the execution
 # id and the index member. Renews the leases still held, by the server's clock; returns the positions (1-based)
@@ -61,6 +68,17 @@ for j = 1, #KEYS, 2 do
   end
 end
 return lost
+"""
+
+
+# KEYS: the lease key, the queue's lease index. ARGV: the index member, the sentinel, the lease in ms.
+# Claims a job whose lease expired for recovery: only if its execution is still indexed (no one recovered it
+# yet) and no lease is held (the entry was not merely late), so exactly one worker recovers one execution.
+CLAIM_LUA = """
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) and redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then
+  return 1
+end
+return 0
 """
 
 
@@ -127,6 +145,7 @@ class LeaseKeeper:
         self.on_lost, self.on_cancelled = on_lost, on_cancelled
         self.interval_s = worker.lease_s / HEARTBEATS_PER_LEASE
         self._renew = worker.connection.register_script(RENEW_LUA)
+        self._claim = worker.connection.register_script(CLAIM_LUA)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-keeper-{worker.name}", daemon=True)
 
@@ -178,24 +197,31 @@ class LeaseKeeper:
         return lost, [job for job, flag in zip(jobs, flags) if flag and job not in lost]
 
     def recover_expired(self) -> int:
-        """Recover the jobs whose lease expired, on every queue of this worker; return how many."""
+        """Recover the jobs whose lease expired, and the jobs a dead worker had taken but not started, on every
+        queue of this worker; return how many."""
         connection = self.worker.connection
         seconds, micros = connection.time()
         now_ms = seconds * 1000 + micros // 1000
         recovered = 0
-        for queue in self.worker.queues:
-            members = connection.zrangebyscore(keys.lease_index_key(queue.name), 0, now_ms, start=0,
-                                               num=RECOVERY_BATCH)
+        with connection.pipeline(transaction=False) as pipe:
+            for queue in self.worker.queues:
+                pipe.zrangebyscore(keys.lease_index_key(queue.name), 0, now_ms, start=0, num=RECOVERY_BATCH)
+            expired = pipe.execute()
+        for queue, members in zip(self.worker.queues, expired):
             for member in members:
                 member = member.decode() if isinstance(member, bytes) else member
                 recovered += self._recover(queue, *member.split(":", 1))
+        for queue, job_ids in self.worker.stranded(self.worker.queues).items():
+            recovered += self.worker.requeue_stranded(queue, job_ids, STRANDED_GRACE_LEASES * self.worker.lease_s)
         return recovered
 
     def _recover(self, queue: Queue, job_id: str, execution_id: str) -> bool:
         """Requeue, or end, one job whose lease expired: only the worker whose SET NX wins does it."""
         worker, connection = self.worker, self.worker.connection
-        if not connection.set(keys.lease_key(job_id), RECOVERING, nx=True, px=worker.lease_s * 1000):
-            return False  # still leased (its index entry was late), or another worker recovers it
+        member = index_member(job_id, execution_id)
+        if not self._claim(keys=[keys.lease_key(job_id), keys.lease_index_key(queue.name)],
+                           args=[member, RECOVERING, worker.lease_s * 1000]):
+            return False  # still leased (its index entry was late), or another worker recovered it already
         attempts, cancelled = connection.mget(keys.attempts_key(job_id), keys.cancel_key(job_id))
         attempts = int(attempts or 1)
         try:
@@ -208,6 +234,10 @@ class LeaseKeeper:
         execution = worker.execution_of(job, execution_id)
         with connection.pipeline() as pipe:
             pipe.multi()
+            if job.get_status(refresh=False) in ENDED_STATUSES:  # its end was recorded meanwhile: nothing to run
+                release_on(pipe, job_id, execution_id, queue.name, ended=False)
+                pipe.execute()
+                return False
             if cancelled:
                 worker.failure_on(pipe, job, queue, execution, CANCELLED_WHILE_LOST, stopped=True)
                 append_event(pipe, job_id, StreamEvent(type="done", finish_reason="cancelled"), worker.failure_ttl(job))

@@ -85,6 +85,8 @@ class EngineMetrics:
             lambda: engine.num_waiting)
         gauge("batcher_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).").set_function(
             lambda: engine.kv_cache_usage)
+        Gauge("batcher_engine_info", "How the engine runs, as labels (the value is 1): the dtype of the model.",
+              [MODEL_LABEL, "dtype"], registry=self.registry).labels(model, engine.dtype).set(1)
         self._queue_depth = Gauge("batcher_queue_depth", "Jobs waiting in a Redis queue, as this worker last read it.",
                                   ["queue"], registry=self.registry)
 

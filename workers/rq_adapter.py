@@ -37,6 +37,14 @@ SERVER_VERSION_ATTR = "__rq_redis_server_version"  # where RQ caches the server 
 # maintenance) only sees executions whose every batcher worker has been gone this long.
 RQ_REGISTRY_HORIZON_S = 3600
 PUBSUB_RETRY_S = 2.0  # RQ's own pause before its command thread reconnects
+# KEYS: an intermediate list, its queue. ARGV: a job id. Moves the job back to the front, if it is still taken.
+REQUEUE_TAKEN_LUA = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('LPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
 
 
 def pin_server_version(connection: Redis, version: tuple[int, int, int]) -> None:
@@ -112,6 +120,30 @@ class BaseBatchWorker(BaseWorker):
         except DequeueTimeout:
             return None
         return got[0] if got else None
+
+    def stranded(self, queues: list[Queue]) -> dict[Queue, list[str]]:
+        """The job ids waiting in each queue's intermediate list: taken, not started (yet)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.lrange(queue.intermediate_queue_key, 0, -1)
+            lists = pipe.execute()
+        return {queue: [i.decode() if isinstance(i, bytes) else i for i in ids] for queue, ids in zip(queues, lists)
+                if ids}
+
+    def requeue_stranded(self, queue: Queue, job_ids: list[str], grace_s: float) -> int:
+        """Put back at the front of `queue` the taken jobs seen in its intermediate list for `grace_s` or more: their
+        worker died between taking and starting them. RQ's first-seen markers time them; the move is one script,
+        so a job is requeued once. Returns how many."""
+        intermediate, moved = queue.intermediate_queue, 0
+        for job_id in job_ids:
+            if intermediate.set_first_seen(job_id):
+                continue
+            first_seen = intermediate.get_first_seen(job_id)
+            if first_seen is None or (now() - first_seen).total_seconds() < grace_s:
+                continue
+            moved += self.connection.eval(REQUEUE_TAKEN_LUA, 2, queue.intermediate_queue_key, queue.key, job_id)
+            self.connection.delete(intermediate.get_first_seen_key(job_id))
+        return moved
 
     def drop_taken(self, queue: Queue, job_id: str) -> None:
         """Forget a taken job that nothing can run (deleted meanwhile, or unreadable)."""
@@ -190,7 +222,7 @@ class BaseBatchWorker(BaseWorker):
                 if held:
                     clean_registries(queue, self._exc_handlers)
                     worker_registration.clean_worker_registry(queue)
-                    queue.intermediate_queue.cleanup(self, queue)
+                    # Not RQ's intermediate-queue cleanup: it fails a stranded job (`requeue_stranded` requeues it).
         self.last_cleaned_at = now()
 
     @contextmanager

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -38,16 +36,15 @@ from batcher.jobs import DEFAULT_LEASE_S, InvalidJob, bounded_reason, request_fr
 from batcher.redis_retry import REDIS_ERRORS, Backoff, retry_while_unreachable
 from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest, GenerationResult, Timings
-from batcher.worker_stats import WorkerState, WorkerStats
 from workers.engine_api import EngineProtocol, RequestError, RequestOutput
 from workers.leases import LeaseKeeper, claim_on, fenced, release_on
 from workers.rq_adapter import (WORKERS_SUSPENDED, BaseBatchWorker, DeserializationError, Execution, Job, Queue,
                                 WorkerStatus, get_version)
+from workers.stats_publisher import StatsPublisher
 from workers.streams import StreamWriter
 
 log = logging.getLogger(__name__)
 
-STATS_TTL_LEASES = 2  # a worker's published stats outlive one missed heartbeat, not a dead worker
 DEFAULT_MAINTENANCE_INTERVAL_S = 60  # RQ's full registry maintenance (intermediate lists, dead workers)
 IDLE_WAIT_S = 1  # the longest an idle worker blocks on Redis (or waits while suspended)
 BUSY_RESCAN_S = 0.02  # a busy worker that found nothing to admit looks again after this long, not every step
@@ -146,12 +143,12 @@ class BatchWorker(BaseBatchWorker):
         self.model_name = model_name or engine.loaded.name  # the name jobs give to be routed here
         self.on_added, self.on_step, self.on_job_end = on_added, on_step, on_job_end
         self.streams = StreamWriter(connection)
+        self.stats = StatsPublisher(self)
         self.keeper = LeaseKeeper(self, in_flight=self._snapshot, on_beat=self._beat, on_lost=self._leases_lost,
                                   on_cancelled=self._cancelled)
         self.jobs_taken = 0
         self.tokens_generated = 0
         self.queue_depths: dict[str, int] = {}
-        self._rate_mark = (time.monotonic(), 0)  # (when, tokens_generated) at the last stats publication
         self._jobs: dict[str, InFlight] = {}  # by execution id, which is also the engine's request id
         self._stop_requests: set[str] = set()  # job ids, from the pubsub thread
         self._lock = threading.Lock()  # guards `_jobs` and `_stop_requests` across threads
@@ -169,6 +166,11 @@ class BatchWorker(BaseBatchWorker):
     @property
     def in_flight_job_ids(self) -> list[str]:
         return [f.job.id for f in self._snapshot()]
+
+    @property
+    def suspended(self) -> bool:
+        """`rq suspend` is on, as this worker last read it: it admits nothing."""
+        return self._suspended
 
     @property
     def pending_stop_requests(self) -> set[str]:
@@ -207,7 +209,7 @@ class BatchWorker(BaseBatchWorker):
                     time.sleep(delay)
         finally:
             self.keeper.stop()
-            self._unpublish_stats()
+            self.stats.remove()
             self.teardown()
         return self.jobs_taken > 0
 
@@ -546,44 +548,9 @@ class BatchWorker(BaseBatchWorker):
             return list(self._jobs.values())
 
     def _beat(self, pipe) -> None:
-        """This worker's own heartbeat and the figures `batcher workers` shows; they expire with a dead worker."""
+        """This worker's own heartbeat and the figures `batcher workers` shows."""
         self.heartbeat(pipeline=pipe)
-        try:
-            stats = self._stats()
-        except Exception:  # the figures are for people; the leases must be extended regardless
-            log.exception("worker %s: could not gather its stats", self.name)
-            return
-        key = keys.worker_stats_key(self.name)
-        pipe.hset(key, mapping=stats.to_hash())
-        pipe.expire(key, STATS_TTL_LEASES * self.lease_s)
-        pipe.sadd(keys.WORKERS_SET, self.name)
-
-    def _stats(self) -> WorkerStats:
-        moment, tokens = time.monotonic(), self.tokens_generated
-        since, before = self._rate_mark
-        self._rate_mark = (moment, tokens)
-        state: WorkerState
-        if self.drain_requested:
-            state = "draining"
-        elif self._suspended:
-            state = "suspended"
-        else:
-            state = "busy" if self._jobs else "idle"
-        return WorkerStats(
-            name=self.name, host=socket.gethostname(), pid=os.getpid(),
-            queues=",".join(sorted({keys.base_queue(q.name) for q in self.queues})),
-            model=self.model_name, state=state, in_flight=len(self._jobs), free_slots=self.engine.free_slots,
-            kv_usage=round(self.engine.kv_cache_usage, 4),
-            tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time())
-
-    def _unpublish_stats(self) -> None:
-        try:
-            with self.connection.pipeline() as pipe:
-                pipe.delete(keys.worker_stats_key(self.name))
-                pipe.srem(keys.WORKERS_SET, self.name)
-                pipe.execute()
-        except Exception:  # Redis gone at exit: the hash expires on its own
-            log.warning("worker %s: could not remove its stats from Redis", self.name)
+        self.stats.write_on(pipe)
 
     # ----- small helpers -----
     def _set_state(self, state: WorkerStatus) -> None:

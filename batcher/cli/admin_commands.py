@@ -35,7 +35,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 @redis_url_option
 @json_option
 def workers(redis_url, as_json):
-    """Live workers: model, state, jobs in flight, free slots, KV usage, tokens/s, last heartbeat."""
+    """Live workers: model, dtype, state, jobs in flight, free slots, KV usage, tokens/s, last heartbeat."""
     stats = admin.list_workers(_connect(redis_url))
     if as_json:
         click.echo(json.dumps([s.to_dict() for s in stats], indent=1))
@@ -45,8 +45,8 @@ def workers(redis_url, as_json):
         return
     rows = [{**s.to_dict(), "kv_usage": f"{s.kv_usage:.0%}", "tokens_per_s": f"{s.tokens_per_s:.1f}",
              "last_heartbeat": f"{s.heartbeat_age_s:.0f}s ago"} for s in stats]
-    click.echo(_table(rows, ["name", "host", "queues", "model", "state", "in_flight", "free_slots", "kv_usage",
-                             "tokens_per_s", "last_heartbeat"]))
+    click.echo(_table(rows, ["name", "host", "queues", "model", "dtype", "state", "in_flight", "free_slots",
+                             "kv_usage", "tokens_per_s", "last_heartbeat"]))
 
 
 @main.command()

@@ -38,12 +38,16 @@ def engine_options(func):
         click.option("--max-model-len", type=click.IntRange(2), default=None, envvar="BATCHER_MAX_MODEL_LEN",
                      help="Longest prompt plus output (default: the model's context)."),
         click.option("--dtype", type=click.Choice(c.DTYPES), default=c.DEFAULT_DTYPE, envvar="BATCHER_DTYPE",
-                     show_default=True),
+                     show_default=True, help="auto: bf16 on a GPU that has it; on a CPU, bf16 only where a "
+                     "start-up matmul race shows it faster than fp32."),
         click.option("--device", default=c.DEFAULT_DEVICE, envvar="BATCHER_DEVICE", show_default=True,
                      help="cpu, cuda, cuda:1 ... or auto."),
+        click.option("--compile/--no-compile", default=False, envvar="BATCHER_COMPILE",
+                     show_default=True, help="torch.compile the forward of steps of up to --max-num-seqs tokens: "
+                     "faster decode steps, after a start-up of tens of seconds per token-count bucket."),
     ]
     names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
-             "kv_cache_bytes", "max_model_len", "dtype", "device"]
+             "kv_cache_bytes", "max_model_len", "dtype", "device", "compile"]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

@@ -85,8 +85,9 @@ def test_workers_table_lists_the_live_worker(worker):
     rows = json.loads(cli(url, "workers", "--json").output)
     me = next(r for r in rows if r["name"] == name)
     assert me["queues"] == QUEUE and me["state"] == "idle" and me["in_flight"] == 0 and me["free_slots"] == 8
+    assert me["dtype"] in ("float32", "bfloat16")  # the worker runs with --dtype auto: shown resolved
     table = cli(url, "workers").output
-    assert name in table and "FREE_SLOTS" in table and "TOKENS_PER_S" in table
+    assert name in table and "FREE_SLOTS" in table and "TOKENS_PER_S" in table and me["dtype"] in table
 
 
 def test_metrics_scraped_over_http_move_while_jobs_run(worker):

@@ -39,7 +39,7 @@ def start_worker(url: str, model_dir: Path, queue: str, log_path: Path,
                  max_num_seqs: int, *extra: str) -> tuple[str, subprocess.Popen]:
     name = f"e2e-{uuid.uuid4().hex[:8]}"
     command = [sys.executable, "-m", "batcher", "worker", "--redis-url", url, "--queue", queue,
-               "--model", str(model_dir), "--device", "cpu", "--num-blocks", "512",
+               "--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--num-blocks", "512",
                "--max-num-seqs", str(max_num_seqs), "--lease", str(LEASE_S), "--name", name, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))

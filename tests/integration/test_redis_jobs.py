@@ -32,7 +32,8 @@ RQ = str(Path(sys.executable).parent / "rq")
 
 
 def tiny_engine(model_dir, max_num_seqs=4):
-    return build_engine(EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, num_blocks=256, device="cpu"))
+    return build_engine(EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, num_blocks=256, device="cpu",
+                                     dtype="float32"))
 
 
 def greedy(max_tokens: int, **request) -> GenerationRequest:

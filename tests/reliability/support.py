@@ -93,7 +93,7 @@ def start_worker(url: str, model_dir: Path, queue: str, log_path: Path, *, max_n
     """A real worker process (`python -m batcher worker ...`, or a wrapper module taking the same args)."""
     name = name or f"rel-{uuid.uuid4().hex[:8]}"
     command = [sys.executable, "-m", module, "worker", "--redis-url", url, "--queue", queue,
-               "--model", str(model_dir), "--device", "cpu", "--num-blocks", str(num_blocks),
+               "--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--num-blocks", str(num_blocks),
                "--max-num-seqs", str(max_num_seqs), "--lease", str(lease), "--name", name, *extra]
     env = {**os.environ, **WORKER_ENV, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))

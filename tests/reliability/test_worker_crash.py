@@ -1,5 +1,5 @@
 """Worker crash: three `batcher worker` processes, 60 jobs of mixed lengths, half of them enqueued with plain RQ
-(no Retry); one worker is SIGKILLed
+(no Retry), while the stock `rq info` runs in a loop; one worker is SIGKILLed
 while it has at least 8 jobs in flight, a second one later. Every job ends with exactly one
 successful result whose tokens equal `model.generate` alone, and a rerun job's stream starts with
 `restart`. The time from each kill to the lost jobs running again is measured (goal: 30 s)."""
@@ -7,6 +7,9 @@ successful result whose tokens equal `model.generate` alone, and a rerun job's s
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -59,11 +62,40 @@ def kill_and_time_recovery(connection, process, ids, worker) -> tuple[list[str],
     return [j for j in lost if first_ids[j]], time.monotonic() - killed_at
 
 
+class StockRqInfo:
+    """Runs the stock `rq info` CLI (which cleans the registries) in a loop from a thread."""
+
+    def __init__(self, url: str, queues: list[str]) -> None:
+        self.command = [sys.executable, "-m", "rq.cli", "info", "--url", url, *queues]
+        self.runs = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> StockRqInfo:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            done = subprocess.run(self.command, capture_output=True, text=True, timeout=60)
+            self.runs += 1
+            if done.returncode:
+                self.failures.append(done.stdout + done.stderr)
+            self._stop.wait(0.2)
+
+
 def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("llama")
     server = RedisServer(tmp_path / "redis").start()
     connection = server.connection()
     workers = [start_worker(server.url, model_dir, QUEUE, tmp_path / f"w{i}.log", max_num_seqs=16) for i in range(3)]
+    rq_info = StockRqInfo(server.url, [QUEUE])
     try:
         prompts = prompt_pool()
         jobs = [(tuple(prompts[i % len(prompts)]), LENGTHS[i % len(LENGTHS)]) for i in range(60)]
@@ -81,6 +113,9 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
 
         busiest = wait_for(lambda: next(((n, p) for n, p in workers if len(in_flight(connection, ids, n)) >= 8),
                                         None), 60, "a worker with 8 jobs streaming")
+        # An operator runs the stock `rq info` over and over meanwhile: its registry cleanup must neither fail
+        # nor requeue (a second time) any job of the dead worker.
+        rq_info.start()
         lost1, recovery1 = kill_and_time_recovery(connection, busiest[1], ids, busiest[0])
         assert len(lost1) >= 8
         survivors = [w for w in workers if w is not busiest]
@@ -99,12 +134,16 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
             assert (stream[0].type, stream[-1].type) == ("restart", "done")
             assert len({e.execution_id for e in stream}) == 1
             assert [t for e in stream for t in e.token_ids] == references[by_id[job_id]]
+        rq_info.stop()
+        assert rq_info.runs > 0 and not rq_info.failures, rq_info.failures
         assert FailedJobRegistry(QUEUE, connection=connection).count == 0
         assert max(recovery1, recovery2) <= RECOVERY_GOAL_S
-        record("worker_crash", jobs=len(ids), plain_rq_jobs=len(ids) // 2, jobs_lost=0, doubled=0,
+        record("worker_crash", jobs=len(ids), plain_rq_jobs=len(ids) // 2, rq_info_runs=rq_info.runs, jobs_lost=0,
+               doubled=0,
                killed_in_flight=f"{len(lost1)}+{len(lost2)}",
                recovery_s=f"{recovery1:.1f}/{recovery2:.1f}", lease_s=LEASE_S)
     finally:
+        rq_info.stop()
         for _, process in workers:
             stop(process)
         server.stop()

@@ -12,6 +12,7 @@ per token (`record_timestamps`). Both are taken when the token reaches the host,
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -25,7 +26,7 @@ from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.workload import WorkloadRequest
 from workers.engine import WARMUP_REQUEST
 from workers.models import resolve
-from workers.runner import DTYPES
+from workers.precision import DTYPES
 
 HF_ATTENTION = "sdpa"
 PAD_TOKEN_ID = 0  # left padding is masked out, so any id works
@@ -100,7 +101,10 @@ def _run_groups(name: str, model, workload: list[WorkloadRequest], vocab_size: i
 
 
 def run_hf_naive(model, workload: list[WorkloadRequest], vocab_size: int) -> SystemRun:
-    return _run_groups("hf-naive", model, workload, vocab_size, slots=1)
+    run = _run_groups("hf-naive", model, workload, vocab_size, slots=1)
+    gaps = [b - a for times in run.token_times.values() for a, b in zip(times, times[1:])]
+    run.lone_decode_step_s = statistics.median(gaps) if gaps else None  # each gap is one step of one sequence
+    return run
 
 
 def run_hf_static(model, workload: list[WorkloadRequest], vocab_size: int, slots: int) -> SystemRun:

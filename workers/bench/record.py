@@ -31,6 +31,7 @@ class SystemRun:
     steps: list[tuple[float, int]] = field(default_factory=list)  # (end time, sequences that did useful work)
     peak_rss_bytes: int = 0
     preemptions: int = 0
+    lone_decode_step_s: float | None = None  # a decode step with one sequence running, where measured
     notes: list[str] = field(default_factory=list)  # how a figure was obtained, where it is an approximation
 
 

@@ -4,7 +4,9 @@
 - latency: time to first token (from arrival) and inter-token gaps, from per-token timestamps;
 - slot occupancy: sequences doing useful work per step, over the system's slots;
 - model FLOP utilisation: the model's useful FLOPs (no padding, no recompute) per second, over
-  a matmul probe measured in the same process at the same thread count;
+  a matmul probe measured in the same process, dtype and thread count;
+- % of the roofline limit (`workers.bench.roofline`): the shortest wall time any system could take, over
+  this system's; and a lone sequence's decode step against the weight-read floor;
 - correctness: every system's greedy tokens against the baseline's, with every difference listed.
 """
 
@@ -17,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from workers.bench.record import SystemRun
+from workers.bench.roofline import Roofline
 from workers.bench.workload import WorkloadRequest
 
-PROBE_SIZE = 1024  # square fp32 matmul: large enough to run at the CPU's peak, small enough to take ~10 ms
+PROBE_SIZE = 1024  # square matmul in the run's dtype: large enough to run at the CPU's peak, yet ~5-30 ms
 PROBE_REPEATS = 10
 MB = 1 << 20
 
@@ -88,6 +91,8 @@ class SystemReport:
     peak_rss_mb: float
     model_gflop_s: float
     mfu: float
+    pct_of_limit: float  # the roofline limit over this wall time, in percent (0-100)
+    lone_decode_step_s: float | None  # a decode step with one sequence running, where measured
     preemptions: int
     mismatched_requests: list[dict]  # [{"id", "first_difference"}] against the baseline's tokens
     notes: list[str]
@@ -99,6 +104,7 @@ class SystemReport:
 class BenchReport:
     workload: str
     model: str
+    dtype: str
     threads: int
     device: str
     versions: dict
@@ -106,6 +112,7 @@ class BenchReport:
     baseline: str
     requests: int
     prompt_tokens: int
+    roofline: Roofline
     systems: list[SystemReport] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -123,10 +130,11 @@ class BenchReport:
         ms = lambda d, k: "-" if d[k] is None else f"{d[k] * 1000:.0f}"  # noqa: E731
         header = (f"{'system':<20}{'gen tok/s':>10}{'x ' + self.baseline:>24}{'prompt tok/s':>13}"
                   f"{'TTFT ms p50/p99/max':>22}{'ITL ms p50/p99/max':>21}{'occupancy':>11}{'RSS MB':>8}"
-                  f"{'MFU':>6}  greedy tokens")
-        lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens; model {self.model}; "
-                 f"{self.threads} thread(s) on {self.device}; matmul probe {self.probe_gflop_s:.0f} GFLOP/s; "
-                 + ", ".join(f"{k} {v}" for k, v in self.versions.items()), header]
+                  f"{'MFU':>6}{'% limit':>8}  greedy tokens")
+        lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens; model {self.model} "
+                 f"in {self.dtype}; {self.threads} thread(s) on {self.device}; matmul probe {self.probe_gflop_s:.0f} "
+                 "GFLOP/s; " + ", ".join(f"{k} {v}" for k, v in self.versions.items()),
+                 f"{self.roofline.describe()} (at {self.roofline.slots} slots)", header]
         for s in self.systems:
             agree = "baseline" if s.system == self.baseline else (
                 "agree" if not s.mismatched_requests else f"DIFFER in {len(s.mismatched_requests)} requests")
@@ -134,7 +142,12 @@ class BenchReport:
                 f"{s.system:<20}{s.generated_tok_s:>10.1f}{s.generated_tok_s / base:>23.2f}x{s.prompt_tok_s:>13.1f}"
                 f"{ms(s.ttft_s, 'p50') + '/' + ms(s.ttft_s, 'p99') + '/' + ms(s.ttft_s, 'max'):>22}"
                 f"{ms(s.itl_s, 'p50') + '/' + ms(s.itl_s, 'p99') + '/' + ms(s.itl_s, 'max'):>21}"
-                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}  {agree}")
+                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}{s.pct_of_limit:>7.0f}%  {agree}")
+        floor = self.roofline.weight_read_s
+        for s in self.systems:
+            if s.lone_decode_step_s is not None:
+                lines.append(f"{s.system}: a lone sequence's decode step takes {s.lone_decode_step_s * 1e3:.3g} ms, "
+                             f"{s.lone_decode_step_s / floor:.3g}x the weight-read floor ({floor * 1e3:.3g} ms)")
         for s in self.systems:
             for m in s.mismatched_requests:
                 lines.append(f"  ! {s.system} request {m['id']}: greedy tokens differ from {self.baseline} "
@@ -151,7 +164,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def system_report(run: SystemRun, workload: list[WorkloadRequest], cost: ModelCost, probe_flop_s: float,
-                  baseline: SystemRun) -> SystemReport:
+                  baseline: SystemRun, roofline: Roofline) -> SystemReport:
     arrival = {w.id: w.arrival_s for w in workload}
     generated = sum(len(t) for t in run.tokens.values())
     ttft = [times[0] - arrival[rid] for rid, times in run.token_times.items() if times]
@@ -170,6 +183,7 @@ def system_report(run: SystemRun, workload: list[WorkloadRequest], cost: ModelCo
         ttft_s=percentiles(ttft), itl_s=percentiles(itl), slots=run.slots, mean_batch=mean_batch,
         mean_occupancy=mean_batch / run.slots, peak_rss_mb=run.peak_rss_bytes / MB,
         model_gflop_s=flops / run.wall_s / 1e9, mfu=flops / run.wall_s / probe_flop_s,
+        pct_of_limit=roofline.pct_of_limit(run.wall_s), lone_decode_step_s=run.lone_decode_step_s,
         preemptions=run.preemptions, mismatched_requests=mismatched, notes=run.notes,
         cumulative_tokens=[(t, i + 1) for i, t in enumerate(stamps)], occupancy=run.steps,
     )

@@ -18,10 +18,12 @@ from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.report import BenchReport, ModelCost, environment, matmul_probe, system_report
+from workers.bench.roofline import Roofline, lone_decode_step_s, read_bandwidth
 from workers.bench.system import System
 from workers.bench.workload import WorkloadRequest
 from workers.engine import Engine, build_engine
-from workers.runner import DTYPES, resolve_device
+from workers.precision import DTYPES, resolve_dtype
+from workers.runner import resolve_device
 
 
 def workload_request(item: WorkloadRequest, vocab_size: int) -> GenerationRequest:
@@ -65,7 +67,9 @@ def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequ
     if system.kind == "batcher":
         engine = build_engine(replace(config, policy=system.policy))
         if not system.through_redis:
-            return run_batcher(engine, workload), ModelCost.of(engine.runner.model)
+            run = run_batcher(engine, workload)
+            run.lone_decode_step_s = lone_decode_step_s(engine)
+            return run, ModelCost.of(engine.runner.model)
         from batcher.client import connect
         from workers.bench.through_redis import run_batcher_redis
 
@@ -96,16 +100,21 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System],
         raise ValueError(f"the baseline {baseline} must be one of the systems run: {', '.join(map(str, systems))}")
     torch.set_num_threads(threads)
     device = resolve_device(config.device)
-    probe = matmul_probe(DTYPES[config.dtype], str(device))
+    config = replace(config, dtype=resolve_dtype(config.dtype, device))  # every system runs in the same dtype
+    dtype = DTYPES[config.dtype]
+    probe, read = matmul_probe(dtype, str(device)), read_bandwidth(str(device))
     runs: dict[System, SystemRun] = {}
     cost = None
     for system in systems:
         runs[system], cost = run_system(system, config, workload, redis_url)
         gc.collect()
-    probe = max(probe, matmul_probe(DTYPES[config.dtype], str(device)))  # the better of before and after
+    # the better of before and after: the device at its best, so that the limit is a bound
+    probe, read = max(probe, matmul_probe(dtype, str(device))), max(read, read_bandwidth(str(device)))
+    roofline = Roofline.of(workload, cost, dtype, config.max_num_seqs, probe, read)
     device_name, versions = environment(device)
-    report = BenchReport(workload=name, model=config.model, threads=threads, device=device_name, versions=versions,
-                         probe_gflop_s=probe / 1e9, baseline=baseline.name, requests=len(workload),
-                         prompt_tokens=sum(w.prompt_len for w in workload))
-    report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline]) for s in systems]
+    report = BenchReport(workload=name, model=config.model, dtype=config.dtype, threads=threads, device=device_name,
+                         versions=versions, probe_gflop_s=probe / 1e9, baseline=baseline.name,
+                         requests=len(workload), prompt_tokens=sum(w.prompt_len for w in workload),
+                         roofline=roofline)
+    report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline], roofline) for s in systems]
     return report
