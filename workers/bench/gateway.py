@@ -4,7 +4,7 @@ gateway against the Python client on the same worker.
     python -m workers.bench.gateway --lines 10000 --requests 20 --max-tokens 64 --threads 1
 
 Runs a redis-server of its own (a free loopback port, no persistence), a `batcher serve` process and, for the
-streaming part, one `batcher worker` process on --model. Everything goes through real sockets.
+streaming part, one `batcher worker` process on --model (in --dtype, float32 unless told otherwise). Everything goes through real sockets.
 
 - upload: the file is uploaded with the official `openai` SDK (files.create), then made a batch
   (batches.create); the gateway's resident memory is sampled all along (its peak against its size before).
@@ -44,6 +44,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from batcher.client import Client
+from batcher.config import DTYPES
 from batcher.openai_batch import CHAT_ID_PREFIX
 from batcher.schema import ChatMessage, GenerationRequest, SamplingParams
 from workers.bench.batches import _batch_lines, _free_port
@@ -85,11 +86,11 @@ def _start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
     return server, base
 
 
-def _start_worker(redis_url: str, model: str, threads: int, log: Path) -> subprocess.Popen:
+def _start_worker(redis_url: str, model: str, dtype: str, threads: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen([sys.executable, "-m", "batcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
-                             "--model", model, "--device", "cpu"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"))
+                             "--model", model, "--dtype", dtype, "--device", "cpu"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -268,7 +269,7 @@ def bench_streaming(base: str, redis_url: str, model: str, requests: int, max_to
     return summary
 
 
-def run(lines: int, requests: int, max_tokens: int, model: str, threads: int, keep_logs: bool) -> dict:
+def run(lines: int, requests: int, max_tokens: int, model: str, dtype: str, threads: int, keep_logs: bool) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     processes = []
     try:
@@ -276,12 +277,12 @@ def run(lines: int, requests: int, max_tokens: int, model: str, threads: int, ke
         processes.append(redis_server)
         gateway, base = _start_gateway(redis_url, directory / "gateway.log")
         processes.append(gateway)
-        report = {"cpu": _cpu_name(), "worker_threads": threads, "model": model}
+        report = {"cpu": _cpu_name(), "worker_threads": threads, "model": model, "dtype": dtype}
         if lines:
             report["upload"] = bench_upload(base, gateway.pid, lines, directory)
             Redis.from_url(redis_url).flushdb()  # the batch's queued jobs: no worker is to run them
         if requests:
-            processes.append(_start_worker(redis_url, model, threads, directory / "worker.log"))
+            processes.append(_start_worker(redis_url, model, dtype, threads, directory / "worker.log"))
             report["streaming"] = {"requests": requests, "max_tokens": max_tokens,
                                    **bench_streaming(base, redis_url, model, requests, max_tokens)}
         return report
@@ -305,11 +306,12 @@ def run(lines: int, requests: int, max_tokens: int, model: str, threads: int, ke
               help="Streamed requests through each path (0: skip the streaming part).")
 @click.option("--max-tokens", type=click.IntRange(2), default=64, show_default=True)
 @click.option("--model", default="smollm2", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="The worker's dtype.")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="The worker's torch threads.")
 @click.option("--keep-logs", is_flag=True, help="Keep the gateway's and the worker's logs.")
-def main(lines, requests, max_tokens, model, threads, keep_logs) -> None:
+def main(lines, requests, max_tokens, model, dtype, threads, keep_logs) -> None:
     """Measure the gateway: a LINES-line batch file upload, and streaming against the Python client; print JSON."""
-    click.echo(json.dumps(run(lines, requests, max_tokens, model, threads, keep_logs), indent=1))
+    click.echo(json.dumps(run(lines, requests, max_tokens, model, dtype, threads, keep_logs), indent=1))
 
 
 if __name__ == "__main__":
