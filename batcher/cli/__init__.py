@@ -63,3 +63,4 @@ from batcher.cli import engine_commands  # noqa: E402,F401  (registers run, benc
 from batcher.cli import job_commands  # noqa: E402,F401  (registers worker, submit, tail, status, cancel)
 from batcher.cli import admin_commands  # noqa: E402,F401  (registers workers, drain, suspend, resume, queues, requeue)
 from batcher.cli import batch_commands  # noqa: E402,F401  (registers the batch group)
+from batcher.cli import serve_commands  # noqa: E402,F401  (registers serve)

@@ -37,11 +37,11 @@ class SystemRun:
 
 
 class PeakRss:
-    """Samples this process's resident memory in a thread: `ru_maxrss` only ever grows over the
-    whole process, so it cannot tell one system's peak from the previous one's."""
+    """Samples the resident memory of this process (or of process `pid`) in a thread: `ru_maxrss` only ever
+    grows over the whole process, so it cannot tell one system's peak from the previous one's."""
 
-    def __init__(self) -> None:
-        self._process = psutil.Process()
+    def __init__(self, pid: int | None = None) -> None:
+        self._process = psutil.Process(pid)
         self._stop = threading.Event()
         self.peak = 0
         self._thread = threading.Thread(target=self._sample, daemon=True)

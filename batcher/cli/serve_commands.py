@@ -1,0 +1,62 @@
+"""`batcher serve`: the OpenAI-compatible HTTP gateway (the `[server]` extra; imported only when it runs)."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from batcher.cli import main
+from batcher.cli.options import queue_option, redis_url_option
+from batcher.client import DEFAULT_MAX_QUEUE_LENGTH
+from batcher.errors import BatcherError
+from batcher.files import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
+from batcher.gateway.defaults import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
+
+
+@main.command()
+@click.option("--host", default=DEFAULT_HOST, envvar="BATCHER_HOST", show_default=True,
+              help="The address to listen on; anything but loopback needs API keys.")
+@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, envvar="BATCHER_PORT", show_default=True)
+@redis_url_option
+@queue_option
+@click.option("--api-keys-file", type=click.Path(dir_okay=False), envvar="BATCHER_API_KEYS_FILE",
+              help="API keys, one a line (# comments); added to those of $BATCHER_API_KEYS (comma-separated).")
+@click.option("--max-file-bytes", type=click.IntRange(1), default=DEFAULT_MAX_FILE_BYTES, show_default=True,
+              envvar="BATCHER_MAX_FILE_BYTES", help="Largest batch input file.")
+@click.option("--max-file-lines", type=click.IntRange(1), default=DEFAULT_MAX_FILE_LINES, show_default=True,
+              envvar="BATCHER_MAX_FILE_LINES", help="Most requests in a batch input file.")
+@click.option("--max-request-bytes", type=click.IntRange(1), default=DEFAULT_MAX_REQUEST_BYTES, show_default=True,
+              envvar="BATCHER_MAX_REQUEST_BYTES", help="Largest JSON request body.")
+@click.option("--max-queue-length", type=click.IntRange(1), default=DEFAULT_MAX_QUEUE_LENGTH, show_default=True,
+              envvar="BATCHER_MAX_QUEUE_LENGTH", help="Answer 429 rather than queue more jobs than this.")
+def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_lines, max_request_bytes,
+          max_queue_length):
+    """The OpenAI-compatible HTTP gateway: files, batches, completions (streamed too), models.
+
+    It keeps no state of its own (everything is in Redis), so replicas can run behind a load balancer.
+    Each API key is a tenant that sees only its own files and batches."""
+    try:
+        import uvicorn
+        from redis.asyncio import Redis as AsyncRedis
+
+        from batcher.gateway.app import GatewayConfig, create_app
+        from batcher.gateway.auth import API_KEYS_ENV, ApiKeys, check_bind
+    except ImportError as exc:
+        raise BatcherError(f"`batcher serve` needs the server extra (pip install 'batcher[server]'): {exc}") from None
+    from batcher import keys
+    from batcher.client import connect
+    from batcher.files import FileLimits
+
+    api_keys = ApiKeys.load(os.environ.get(API_KEYS_ENV), api_keys_file)
+    check_bind(host, api_keys)
+    keys.check_queue(queue)
+    connection = connect(redis_url)
+    connection.ping()  # an unreachable Redis is a one-line error now, not a 503 on every request
+    config = GatewayConfig(queue=queue, api_keys=api_keys,
+                           file_limits=FileLimits(max_bytes=max_file_bytes, max_lines=max_file_lines),
+                           max_request_bytes=max_request_bytes, max_queue_length=max_queue_length)
+    app = create_app(config, connection, AsyncRedis.from_url(redis_url))
+    click.echo(f"batcher gateway on http://{host}:{port} (queue {queue}, "
+               f"{len(api_keys) or 'no'} API key{'' if len(api_keys) == 1 else 's'})", err=True)
+    uvicorn.run(app, host=host, port=port)

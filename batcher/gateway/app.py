@@ -1,0 +1,102 @@
+"""The gateway's Starlette application: its routes, its error handlers and its middleware.
+
+`create_app` takes its Redis connections (a sync one for the core API, run in threads, and an asyncio one
+for the streams it follows), so that tests can hand it fakeredis.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from batcher import keys
+from batcher.client import DEFAULT_MAX_QUEUE_LENGTH, Client
+from batcher.files import FileLimits, FileStore
+from batcher.gateway import batches, completions, files
+from batcher.gateway.completions import served_models
+from batcher.gateway.auth import ApiKeys, AuthMiddleware
+from batcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
+from batcher.gateway.errors import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
+from batcher.gateway.metrics import GatewayMetrics, MetricsMiddleware
+
+MODEL_OWNER = "batcher"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    queue: str = keys.DEFAULT_QUEUE
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    file_limits: FileLimits = field(default_factory=FileLimits)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH
+
+
+def _model_json(name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": MODEL_OWNER}
+
+
+async def list_models(request: Request) -> JSONResponse:
+    served = await run_in_threadpool(served_models, request.app.state.client)
+    return JSONResponse({"object": "list", "data": [_model_json(m) for m in served]})
+
+
+async def retrieve_model(request: Request) -> JSONResponse:
+    name = request.path_params["model"]
+    if name not in await run_in_threadpool(served_models, request.app.state.client):
+        raise ApiError(404, f"No live worker serves the model `{name}`.", param="model", code="model_not_found")
+    return JSONResponse(_model_json(name))
+
+
+async def health(request: Request) -> JSONResponse:
+    try:
+        await request.app.state.aconnection.ping()
+    except Exception:  # noqa: BLE001  (any failure to answer is unhealthy)
+        raise ApiError(503, "Redis is unreachable.", type=SERVER_ERROR, code="redis_unreachable") from None
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+ROUTES = [
+    Route("/v1/files", files.create_file, methods=["POST"]),
+    Route("/v1/files/{file_id}", files.retrieve_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
+    Route("/v1/batches", batches.create_batch, methods=["POST"]),
+    Route("/v1/batches", batches.list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", batches.retrieve_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
+    Route("/v1/completions", completions.completions, methods=["POST"]),
+    Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+
+def create_app(config: GatewayConfig, connection: Redis, aconnection: AsyncRedis,
+               registry: CollectorRegistry | None = None) -> Starlette:
+    gateway_metrics = GatewayMetrics(registry or CollectorRegistry())
+    app = Starlette(routes=ROUTES, exception_handlers=EXCEPTION_HANDLERS, middleware=[
+        Middleware(MetricsMiddleware, metrics=gateway_metrics, routes=ROUTES),
+        Middleware(AuthMiddleware, keys=config.api_keys),
+    ])
+    app.state.config = config
+    app.state.client = Client(connection, queue=config.queue, max_queue_length=config.max_queue_length)
+    app.state.files = FileStore(connection, config.file_limits)
+    app.state.aconnection = aconnection
+    app.state.metrics = gateway_metrics
+    return app

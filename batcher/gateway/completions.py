@@ -1,0 +1,262 @@
+"""/v1/completions and /v1/chat/completions: one job per request, answered when it ends, or streamed.
+
+The body is read by the batch lines' parser (`openai_batch.parse_body`) and answered with their
+`response_body`, so an HTTP answer and a batch output line never differ. The request's `model` must be one
+that a live worker of the gateway's queue serves (GET /v1/models lists them): another name answers 404
+`model_not_found` at once, rather than a request that hangs until some worker appears. A body without a
+model runs on any worker of the queue, as a job without one does.
+
+With `stream: true` the job's Redis stream is relayed as server-sent events in OpenAI's chunk format,
+ending with `data: [DONE]`; a failure is sent as an `{"error": ...}` event, which the official SDKs raise.
+A client that goes away before its job ends, streaming or waiting, cancels the job.
+
+Finish reasons: stop and length are OpenAI's; a running timeout answers `length` (its text was cut short
+by a limit the request set); a job cancelled by someone else answers an error, and so does a failed job:
+400, because the reasons a worker refuses a request (a prompt longer than the model's context, a
+chat request to a model without a chat template) are the request's, and the SDKs would retry a 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from batcher.admin import list_workers
+from batcher.client import Client, JobFailed
+from batcher.gateway import jobs
+from batcher.gateway.body import read_json
+from batcher.gateway.errors import NO_RETRY, SERVER_ERROR, ApiError, error_body
+from batcher.openai_batch import (CHAT_ID_PREFIX, CHAT_URL, COMPLETION_ID_PREFIX, COMPLETIONS_URL, BodyError,
+                                  openai_finish_reason, parse_body, response_body, usage_body)
+from batcher.schema import GenerationRequest, Usage
+
+log = logging.getLogger(__name__)
+
+RESULT_WAIT_S = 30.0  # the result is recorded with the stream's end; this only bounds a Redis hiccup
+DONE = b"data: [DONE]\n\n"
+CANCELLED_MESSAGE = "The request was cancelled before it finished."
+
+
+async def completions(request: Request):
+    return await _complete(request, COMPLETIONS_URL)
+
+
+async def chat_completions(request: Request):
+    return await _complete(request, CHAT_URL)
+
+
+async def _complete(request: Request, url: str):
+    app = request.app
+    body = await read_json(request, app.state.config.max_request_bytes)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    include_usage = _include_usage(body.get("stream_options"), stream)
+    try:
+        generation = parse_body(body, url, extra_fields=("stream_options",))
+    except BodyError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    model, job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
+    created = int(time.time())
+    if stream:
+        chunks = Chunks(url, job_id, created, model, include_usage)
+        return EventStreamResponse(_relay(request, job_id, chunks))
+    return await _answer(request, job_id, url, created)
+
+
+def _include_usage(options, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream or not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError(400, "stream_options is {\"include_usage\": true|false}, with stream: true",
+                       param="stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def served_models(client: Client) -> list[str]:
+    """The models that live workers of the client's queue serve."""
+    return sorted({w.model for w in list_workers(client.connection) if client.queue in w.queues.split(",")})
+
+
+def _served_model(client: Client, request: GenerationRequest) -> str:
+    """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it."""
+    served = served_models(client)
+    if request.model is None and served:
+        return served[0] if len(served) == 1 else ""
+    if request.model in served:
+        return request.model
+    offered = f"the models served now: {', '.join(served)}" if served else "no worker is serving any model now"
+    name = "any model" if request.model is None else f"the model `{request.model}`"
+    raise ApiError(404, f"No live worker serves {name} ({offered}).", param="model", code="model_not_found")
+
+
+def _enqueue(client: Client, request: GenerationRequest) -> tuple[str, str]:
+    """(the model it runs on, the job id): one thread hop for both, since each hop costs time to first token."""
+    return _served_model(client, request), client.submit(request)
+
+
+async def _cancel(client: Client, job_id: str) -> None:
+    """Cancel a job whose client went away; shielded, since that is when the caller is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await run_in_threadpool(client.cancel, job_id)
+        except Exception:  # noqa: BLE001  (the job ended or expired meanwhile: nothing to stop)
+            log.debug("job %s: cancel after the client left did nothing", job_id, exc_info=True)
+
+
+# ----- waiting for the result -----
+async def _wait_for_end(request: Request, job_id: str):
+    """The job's terminal event, or None if the client left first (the job is then cancelled)."""
+    app = request.app
+    end, failure = None, None
+    async with anyio.create_task_group() as group:
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch_disconnect)
+        try:
+            async for event in jobs.events(app.state.aconnection, app.state.client, job_id):
+                end = event if event.terminal else end
+        except Exception as exc:  # noqa: BLE001  (raised below, outside the group, which would wrap it)
+            failure = exc
+        finally:
+            if end is None:
+                await _cancel(app.state.client, job_id)
+        group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return end
+
+
+async def _answer(request: Request, job_id: str, url: str, created: int) -> JSONResponse:
+    app = request.app
+    end = await _wait_for_end(request, job_id)
+    if end is None:  # the client left; nobody reads this
+        raise ApiError(499, CANCELLED_MESSAGE, code="client_closed_request")
+    if end.type == "error":
+        raise ApiError(400, end.error or "the request failed", code="generation_failed")
+    try:
+        result = await run_in_threadpool(app.state.client.result, job_id, RESULT_WAIT_S)
+    except JobFailed as exc:
+        if exc.status == "failed":
+            raise ApiError(400, exc.reason, code="generation_failed") from None
+        raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
+    return JSONResponse(response_body(result, url, request_id=job_id, created=created))
+
+
+# ----- streaming -----
+class Chunks:
+    """Server-sent events in OpenAI's chunk format (chat.completion.chunk, or text_completion)."""
+
+    def __init__(self, url: str, job_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.chat = url == CHAT_URL
+        self.head = {"id": f"{CHAT_ID_PREFIX if self.chat else COMPLETION_ID_PREFIX}{job_id}",
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": created, "model": model}
+        self.include_usage = include_usage
+
+    def _event(self, choices: list[dict], **extra) -> bytes:
+        chunk = {**self.head, "choices": choices, **extra}
+        if self.include_usage:
+            chunk.setdefault("usage", None)
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def opening(self) -> bytes | None:
+        """The chat stream's first chunk names the role, as OpenAI's does; a completion stream has none."""
+        return self._event([self._choice(None, None, role=True)]) if self.chat else None
+
+    def text(self, delta: str) -> bytes:
+        return self._event([self._choice(delta, None)])
+
+    def finish(self, reason: str) -> bytes:
+        return self._event([self._choice(None, openai_finish_reason(reason))])
+
+    def usage(self, usage: Usage | None) -> bytes:
+        return self._event([], usage=None if usage is None else usage_body(usage))
+
+
+def error_event(message: str, code: str, type: str = "invalid_request_error") -> bytes:
+    return b"data: " + json.dumps(error_body(message, type, code)).encode() + b"\n\n"
+
+
+async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator[bytes]:
+    app = request.app
+    app.state.metrics.streams.inc()
+    ended = False
+    relay = jobs.TextRelay()
+    try:
+        opening = chunks.opening()
+        if opening is not None:
+            yield opening
+        async for event in jobs.events(app.state.aconnection, app.state.client, job_id):
+            if event.type == "restart":
+                relay.restart()
+            elif event.type == "token":
+                delta = relay.delta(event)
+                if delta:
+                    yield chunks.text(delta)
+            elif event.type == "done":
+                relay.check_end()
+                ended = True
+                if event.finish_reason == "cancelled":
+                    yield error_event(CANCELLED_MESSAGE, "cancelled", SERVER_ERROR)
+                else:
+                    yield chunks.finish(event.finish_reason)
+                    if chunks.include_usage:
+                        yield chunks.usage(event.usage)
+            elif event.type == "error":
+                ended = True
+                yield error_event(event.error or "the request failed", "generation_failed")
+        yield DONE
+    except jobs.AttemptDiverged as exc:
+        yield error_event(str(exc), "worker_lost", SERVER_ERROR)
+        yield DONE
+    finally:
+        app.state.metrics.streams.dec()
+        if not ended:
+            await _cancel(app.state.client, job_id)
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that notices a client going away even while nothing is being sent (a job still
+    queued), whatever ASGI version the server speaks, and always closes its source (which cancels the job)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()

@@ -1,0 +1,5 @@
+"""The gateway's defaults, importable without the server extra (the CLI shows them in `batcher serve --help`)."""
+
+DEFAULT_HOST = "127.0.0.1"  # with no API keys, the only kind of address the gateway listens on
+DEFAULT_PORT = 8000
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a JSON body: room for the longest prompt (1 MiB) and its escaping
