@@ -259,6 +259,7 @@ def test_a_chat_stream_relays_the_job_as_openai_chunks(gateway, worker, fake_red
     assert text == Client(fake_redis).result(job_id, timeout=5).text == expected_text(5)
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # no prefix cache in the fake engine
     plain = sse(gateway.post("/v1/completions", headers=A, json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                                  "stream": True}))
     assert "".join(c["choices"][0]["text"] for c in plain[:-1]) == expected_text(2)
