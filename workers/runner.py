@@ -169,7 +169,7 @@ class ModelRunner:
                 context = None if start == 0 else torch.tensor(seq.block_table[: blocks_needed(end, self.block_size)],
                                                                device=self.device)
                 spans.append(PrefillSpan(row, n, start, context))
-            if end == seq.num_tokens:
+            if batch.samples(seq):
                 sampling.append(seq)
                 last_rows.append(row + n - 1)
 
