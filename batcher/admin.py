@@ -8,13 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from redis import Redis
-from rq import Queue
-from rq.command import send_shutdown_command
-from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended, resume, suspend
 
 from batcher import keys
+from batcher.rq_adapter import Queue, registry_counts, requeue_failed_jobs, rq_queue, shut_down_worker
 from batcher.worker_stats import WorkerStats
 
 __all__ = ["WorkerStats", "list_workers", "drain", "suspend_all", "resume_all", "queue_overview",
@@ -42,7 +39,7 @@ def list_workers(connection: Redis) -> list[WorkerStats]:
 def drain(connection: Redis, names: list[str]) -> None:
     """Ask each worker to stop admitting, finish its jobs in flight and exit (RQ's shutdown command)."""
     for name in names:
-        send_shutdown_command(connection, name)
+        shut_down_worker(connection, name)
 
 
 def suspend_all(connection: Redis) -> None:
@@ -76,7 +73,7 @@ def _queues(connection: Redis, queue: str | None) -> list[Queue]:
         names = keys.priority_queue_names([queue])
     else:
         names = sorted(q.name for q in Queue.all(connection=connection))
-    return [Queue(name, connection=connection, serializer=JSONSerializer) for name in names]
+    return [rq_queue(name, connection) for name in names]
 
 
 def queue_overview(connection: Redis, queue: str | None = None) -> list[QueueRow]:
@@ -93,8 +90,7 @@ def queue_overview(connection: Redis, queue: str | None = None) -> list[QueueRow
         base, routed = keys.base_queue(q.name), keys.unprioritised(q.name)
         model = models.get(routed) if routed != base else None
         served = any(base in w.queues.split(",") and (model is None or w.model == model) for w in live)
-        row = QueueRow(q.name, q.count, q.started_job_registry.count, q.failed_job_registry.count,
-                       q.finished_job_registry.count, model, served)
+        row = QueueRow(q.name, q.count, *registry_counts(q), model, served)
         if queue is None or q.name == queue or row.queued or row.started or row.failed or row.finished:
             rows.append(row)  # a base queue's empty priority levels would only be noise
     return rows
@@ -104,10 +100,8 @@ def requeue_failed(connection: Redis, queue: str | None = None) -> int:
     """Put every failed job (of one base queue, or of all queues) back on its queue; return how many."""
     total = 0
     for q in _queues(connection, queue):
-        registry = FailedJobRegistry(queue=q, serializer=JSONSerializer)
-        job_ids = registry.get_job_ids()
-        for job_id in job_ids:
-            registry.requeue(job_id)
-            connection.delete(keys.cancel_key(job_id))  # run again on purpose: an old cancel must not stop it
+        job_ids = requeue_failed_jobs(q)
+        if job_ids:  # run again on purpose: an old cancel must not stop them
+            connection.delete(*[keys.cancel_key(job_id) for job_id in job_ids])
         total += len(job_ids)
     return total

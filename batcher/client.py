@@ -6,53 +6,41 @@ No torch here: a backend needs only `pip install batcher`.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import json
 import os
 import time
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 
 from redis import Redis
-from rq import Queue
-from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher import keys
+from batcher import job_life, keys
 from batcher.admin import list_workers
-from batcher.batches import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError,
-                             BatchNotFound, BatchStore, record_job_end)
+from batcher.batches import ingest
+from batcher.batches.model import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError,
+                                   BatchNotFound)
+from batcher.batches.store import BatchStore
+from batcher.enqueue import (DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TTL_S,
+                             DEFAULT_RESULT_TTL_S, Enqueuer, QueueFull, as_request)
 from batcher.errors import BatcherError
 from batcher.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
-from batcher.job_stream import AttemptFilter, append_event
-from batcher.jobs import JOB_FUNCTION, job_argument, request_of
-from batcher.openai_batch import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
+from batcher.job_life import TERMINAL_STATUSES
+from batcher.job_stream import AttemptFilter
 from batcher.redis_retry import retry_while_unreachable
-from batcher.schema import (BatchItem, ChatMessage, GenerationRequest, GenerationResult, SamplingParams,
-                            StreamEvent)
+from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
 
 __all__ = ["Client", "connect", "JobFailed", "JobNotFound", "QueueFull", "JobInfo", "Batch", "BatchNotFound",
-           "BatchInputError", "Completion"]
+           "BatchInputError", "Completion", "DEFAULT_MAX_QUEUE_LENGTH"]
 
 REDIS_URL_ENV = "BATCHER_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
-DEFAULT_RESULT_TTL_S = 24 * 3600  # how long a result (and its stream) stays readable
-DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure stays in the FailedJobRegistry
-DEFAULT_QUEUE_TTL_S = 24 * 3600  # the longest a job may wait in the queue before RQ drops it
-DEFAULT_MAX_QUEUE_LENGTH = 100_000  # refuse to enqueue beyond this many waiting jobs in one queue
 DEFAULT_SUMMARY_INSTRUCTIONS = "Summarise the following document in a few sentences."
 DEFAULT_SUMMARY_MAX_TOKENS = 256
 POLL_S = 1.0  # how long one blocking read waits before the job's status is checked again
-DESCRIPTION_CHARS = 60
-BATCH_CHUNK = 1000  # batch lines per enqueue pipeline: a big file never sits in memory whole
-
-TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
 
 
 class JobFailed(BatcherError, RuntimeError):
@@ -65,10 +53,6 @@ class JobFailed(BatcherError, RuntimeError):
 
 class JobNotFound(BatcherError, LookupError):
     """No such job: never enqueued, or expired (result TTL, failure TTL or queue TTL)."""
-
-
-class QueueFull(BatcherError, RuntimeError):
-    """Backpressure: the queue holds more jobs than the client's `max_queue_length`."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +89,9 @@ class Client:
         max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH,
     ) -> None:
         self.connection = redis if isinstance(redis, Redis) else connect(redis)
-        self.queue = keys.check_queue(queue)
-        self.result_ttl, self.failure_ttl, self.queue_ttl = result_ttl, failure_ttl, queue_ttl
-        self.max_queue_length = max_queue_length
-        self._queues: dict[str, Queue] = {}
+        self.enqueuer = Enqueuer(self.connection, keys.check_queue(queue), result_ttl, failure_ttl, queue_ttl,
+                                 max_queue_length)
+        self.queue = self.enqueuer.queue
 
     # ----- enqueue -----
     def submit(self, request: GenerationRequest | str | dict, *, job_id: str | None = None) -> str:
@@ -117,40 +100,9 @@ class Client:
 
     def submit_many(self, requests: Iterable[GenerationRequest | str | dict],
                     job_ids: list[str] | None = None) -> list[str]:
-        """Enqueue many requests in one pipeline; return their job ids in order.
-
-        A request that names a `model` goes to that model's queue, which only workers serving the model
-        poll; one without runs on any worker of the queue."""
-        requests = [_as_request(r) for r in requests]
-        if job_ids is not None and len(job_ids) != len(requests):
-            raise ValueError(f"got {len(job_ids)} job ids for {len(requests)} requests")
-        prepared = [self._prepare(request, None if job_ids is None else keys.check_job_id(job_ids[i]), self.queue_ttl)
-                    for i, request in enumerate(requests)]
-        self._check_room(Counter(name for name, _ in prepared))
-        with self.connection.pipeline() as pipe:
-            jobs = self._enqueue(pipe, requests, prepared)
-            pipe.execute()
-        return [job.id for job in jobs]
-
-    def _prepare(self, request: GenerationRequest, job_id: str | None, queue_ttl: int):
-        """(the RQ queue, RQ's enqueue data) of one request."""
-        base = self.queue if request.model is None else keys.model_queue(self.queue, request.model)
-        return keys.queue_name(base, request.priority), Queue.prepare_data(
-            JOB_FUNCTION,
-            args=(job_argument(request),),
-            description=_description(request),
-            job_id=job_id,
-            result_ttl=self.result_ttl,
-            failure_ttl=self.failure_ttl,
-            ttl=queue_ttl,
-        )
-
-    def _enqueue(self, pipe, requests: list[GenerationRequest], prepared: list) -> list[Job]:
-        """Queue the jobs on `pipe`, and name each model queue they use (for `batcher queues`)."""
-        models = {keys.model_queue(self.queue, r.model): r.model for r in requests if r.model is not None}
-        if models:
-            pipe.hset(keys.MODEL_QUEUES, mapping=models)
-        return [self._rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
+        """Enqueue many requests in one transaction; return their job ids in order. A request that names a
+        `model` goes to that model's queue, which only workers serving the model poll."""
+        return self.enqueuer.submit([as_request(r) for r in requests], job_ids)
 
     def summarise(self, document: str, instructions: str | None = None, *, sampling: SamplingParams | None = None,
                   job_id: str | None = None, **request_fields) -> str:
@@ -219,32 +171,9 @@ class Client:
     # ----- control -----
     def cancel(self, job_id: str) -> bool:
         """Cancel a job: a queued one never runs, a running one stops within one step (its partial text stays in
-        its stream), and one whose worker was lost is not started again. False if the job had already ended.
-
-        The cancel is recorded in Redis first (`keys.cancel_key`), so it wins even where no worker hears RQ's
-        stop-job command: a worker checks it when it starts the job, each time it renews the job's lease, and
-        when it recovers the job of a lost worker."""
+        its stream), and one whose worker was lost is not started again. False if the job had already ended."""
         job = self._fetch(job_id)
-        if self._status(job) in TERMINAL_STATUSES:
-            return False
-        self.connection.set(keys.cancel_key(job.id), 1, ex=keys.CANCEL_TTL_S)
-        if self._rq_queue(job.origin).remove(job.id):  # atomic: no worker can take it any more
-            job.cancel()
-            with self.connection.pipeline() as pipe:
-                failure_ttl = job.failure_ttl if job.failure_ttl is not None else self.failure_ttl
-                append_event(pipe, job.id, StreamEvent(type="done", finish_reason="cancelled"), failure_ttl)
-                record_job_end(pipe, job_id=job.id, queue=job.origin, status="stopped", request=request_of(job),
-                               reason="cancelled while queued")
-                pipe.delete(keys.cancel_key(job.id))
-                pipe.execute()
-            return True
-        status = self._status(job)
-        if status == JobStatus.STARTED:
-            with contextlib.suppress(InvalidJobOperation):  # the fast path; the recorded cancel is the sure one
-                send_stop_job_command(self.connection, job.id, serializer=JSONSerializer)
-        elif status in (JobStatus.DEFERRED, JobStatus.SCHEDULED):  # not in a queue list: RQ cancels it
-            job.cancel()
-        return True
+        return job_life.cancel(self.connection, job, self._status(job))
 
     def status(self, job_id: str) -> JobInfo:
         job = self._fetch(job_id)
@@ -270,80 +199,11 @@ class Client:
                      completion_window: str = DEFAULT_COMPLETION_WINDOW, metadata: dict[str, str] | None = None,
                      owner: str | None = None, input_file_id: str | None = None, priority: int = 0,
                      retention_s: int = DEFAULT_BATCH_RETENTION_S) -> Batch:
-        """Create a batch from the lines of an OpenAI batch file, read as a stream and enqueued in chunks.
-
-        `endpoint` defaults to the url of the first line that has a valid one. A bad line does not stop
-        the batch: it counts as a failed request, with its reason in the error file; a file with no valid line at all
-        (or none) makes a `failed` batch, as OpenAI's validation does. Each job carries the
-        batch's deadline, so no worker starts it after the completion window. Raise BatchInputError for a
-        bad window or metadata, QueueFull when the queue fills (the batch then ends `failed`)."""
-        lines = (line for line in lines if line.strip())
-        head: list[str | bytes] = []
-        if endpoint is None:
-            for line in lines:
-                head.append(line)
-                endpoint = _line_url(line)
-                if endpoint is not None:
-                    break
-        store = BatchStore(self.connection)
-        batch = store.begin(endpoint=endpoint or CHAT_URL, completion_window=completion_window, queue=self.queue,
-                            metadata=metadata, owner=owner, input_file_id=input_file_id, retention_s=retention_s)
-        deadline = datetime.fromtimestamp(batch.expires_at, timezone.utc)
-        queue_ttl = max(self.queue_ttl, batch.expires_at - batch.created_at + 60)
-        index, valid, first_error, models, rq_queues = 0, 0, None, set(), set()
-        chunk: list[tuple[int, str | None, GenerationRequest | None, str | None]] = []
-        for line in itertools.chain(head, lines):
-            try:
-                custom_id, request = parse_batch_line(_decoded(line), batch.endpoint)
-                request = request.model_copy(update={
-                    "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id), "deadline": deadline,
-                    "priority": priority})
-                chunk.append((index, custom_id, request, None))
-                models.add(request.model)
-                valid += 1
-            except BatchLineError as exc:
-                chunk.append((index, exc.custom_id, None, f"line {index + 1}: {exc}"))
-                first_error = first_error or chunk[-1][3]
-            index += 1
-            if len(chunk) == BATCH_CHUNK:
-                if not self._add_batch_chunk(store, batch, chunk, rq_queues, queue_ttl, retention_s):
-                    break
-                chunk = []
-        else:
-            if chunk:
-                self._add_batch_chunk(store, batch, chunk, rq_queues, queue_ttl, retention_s)
-        if len(models) == 1 and None not in models:
-            self.connection.hset(keys.batch_key(batch.id), "model", models.pop())
-        if index == 0:
-            return store.fail(batch.id, "empty_file", "The input file has no requests.")
-        if valid == 0:
-            return store.fail(batch.id, "invalid_file", f"No line of the input file is a valid request ({first_error}).")
-        return store.start(batch.id)
-
-    def _add_batch_chunk(self, store: BatchStore, batch: Batch, chunk: list, rq_queues: set[str], queue_ttl: int,
-                         retention_s: int) -> bool:
-        """Enqueue one chunk of a batch and store its lines' bookkeeping; False if the batch was cancelled."""
-        requests = [request for _, _, request, _ in chunk if request is not None]
-        prepared = [self._prepare(request, keys.batch_job_id(batch.id, request.batch.index), queue_ttl)
-                    for request in requests]
-        adding = Counter(name for name, _ in prepared)
-        try:
-            self._check_room(adding)
-        except QueueFull as exc:
-            store.fail(batch.id, "queue_full", str(exc))
-            raise QueueFull(f"batch {batch.id} failed: {exc}") from None
-        rq_queues.update(adding)
-        bad = {index: (custom_id, reason) for index, custom_id, _, reason in chunk if reason is not None}
-        with self.connection.pipeline() as pipe:
-            self._enqueue(pipe, requests, prepared)
-            store.add_lines(pipe, batch.id, chunk[0][0], [custom_id for _, custom_id, _, _ in chunk], bad,
-                            rq_queues, retention_s)
-            pipe.hget(keys.batch_key(batch.id), "status")
-            status = pipe.execute()[-1]
-        if status in (b"validating", "validating"):
-            return True
-        store.cancel(batch.id)  # cancelled while validating: sweep the jobs enqueued since
-        return False
+        """Create a batch from the lines of an OpenAI batch file, read as a stream and enqueued in chunks
+        (batcher/batches/ingest.py): a bad line becomes a failed request with its reason in the error file."""
+        return ingest.create_batch(self.enqueuer, lines, endpoint=endpoint, completion_window=completion_window,
+                                   metadata=metadata, owner=owner, input_file_id=input_file_id, priority=priority,
+                                   retention_s=retention_s)
 
     def batch(self, batch_id: str, owner: str | None = None) -> Batch:
         """The batch, with its status and request counts. Raise BatchNotFound (also for another owner's)."""
@@ -380,24 +240,6 @@ class Client:
         return sorted({w.model for w in list_workers(self.connection)})
 
     # ----- helpers -----
-    def _rq_queue(self, name: str) -> Queue:
-        if name not in self._queues:
-            self._queues[name] = Queue(name, connection=self.connection, serializer=JSONSerializer)
-        return self._queues[name]
-
-    def _check_room(self, adding: dict[str, int]) -> None:
-        """Backpressure (a soft limit: producers racing each other may pass it by a few jobs)."""
-        if self.max_queue_length is None:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for name in adding:
-                pipe.llen(self._rq_queue(name).key)
-            lengths = pipe.execute()
-        for (name, n), length in zip(adding.items(), lengths):
-            if length + n > self.max_queue_length:
-                raise QueueFull(f"queue {name} holds {length} jobs; adding {n} would pass the limit of "
-                                f"{self.max_queue_length}")
-
     def _fetch(self, job_id: str) -> Job:
         try:
             return Job.fetch(keys.check_job_id(job_id), connection=self.connection, serializer=JSONSerializer)
@@ -438,42 +280,3 @@ class Client:
             result = self._ended(job, status)
             return StreamEvent(type="done", finish_reason=result.finish_reason, usage=result.usage)
         return None
-
-
-def _as_request(request: GenerationRequest | str | dict) -> GenerationRequest:
-    if isinstance(request, GenerationRequest):
-        return request
-    if isinstance(request, str):
-        return GenerationRequest(prompt=request)
-    return GenerationRequest.model_validate(request)
-
-
-def _decoded(line: str | bytes) -> str:
-    if isinstance(line, str):
-        return line
-    try:
-        return line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BatchLineError(None, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-
-
-def _line_url(line: str | bytes) -> str | None:
-    """The url of a batch line, if it is one of the endpoints (the batch's endpoint when none was given)."""
-    try:
-        url = json.loads(line).get("url")
-    except (ValueError, AttributeError):
-        return None
-    return url if url in ENDPOINTS else None
-
-
-def _description(request: GenerationRequest) -> str:
-    """A short description for rq info and dashboards (RQ's default repeats the whole prompt)."""
-    if request.prompt is not None:
-        head = request.prompt
-    elif request.messages is not None:
-        head = request.messages[-1].content
-    else:
-        head = f"{len(request.prompt_token_ids)} prompt tokens"
-    head = " ".join(head.split())
-    return f"generate: {head[:DESCRIPTION_CHARS]}{'...' if len(head) > DESCRIPTION_CHARS else ''}"
-

@@ -1,22 +1,19 @@
 """The job contract: an RQ job names `batcher.jobs.generate` and carries one GenerationRequest as JSON.
 
 A producer enqueues `generate` with `GenerationRequest.model_dump(mode="json")` as its only
-argument and RQ's JSONSerializer. Only `batcher worker` runs these jobs, many at once on one model;
-this module decodes and validates a job's argument for it, and says why when a job cannot run.
+argument and RQ's JSONSerializer. Only `batcher worker` runs these jobs, many at once on one model
+(`batcher.job_life` decodes a job and records its end).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
-
-from batcher.openai_batch import readable
 from batcher.schema import GenerationRequest
 
 JOB_FUNCTION = "batcher.jobs.generate"
 # A worker holds each job it runs on a lease this long, renewed by heartbeats; when a worker dies, its
-# jobs are retried (RQ's Retry) about this long later.
+# jobs are run again by the survivors about this long later (workers/leases.py).
 DEFAULT_LEASE_S = 10
 MAX_REASON_CHARS = 2000  # a failure reason is stored in Redis and printed by `batcher status`: keep it readable
 PLAIN_WORKER_MESSAGE = (
@@ -25,17 +22,13 @@ PLAIN_WORKER_MESSAGE = (
 )
 
 
-class InvalidJob(ValueError):
-    """A job that can never run, with the reason why (it fails without retries)."""
-
-
-class NeedsBatchWorker(RuntimeError):
-    """Raised when something other than BatchWorker tries to run a generate job."""
+class NeedsBatcherWorker(RuntimeError):
+    """Raised when something other than a batcher worker tries to run a generate job."""
 
 
 def generate(request: dict) -> dict:
-    """The function a job names. BatchWorker never calls it; a plain `rq worker` does, and fails the job."""
-    raise NeedsBatchWorker(PLAIN_WORKER_MESSAGE)
+    """The function a job names. A batcher worker never calls it; a plain `rq worker` does, and fails the job."""
+    raise NeedsBatcherWorker(PLAIN_WORKER_MESSAGE)
 
 
 def bounded_reason(reason: str) -> str:
@@ -48,23 +41,3 @@ def bounded_reason(reason: str) -> str:
 
 def job_argument(request: GenerationRequest) -> dict[str, Any]:
     return request.model_dump(mode="json")
-
-
-def request_from_job(func_name: str | None, args: Any, kwargs: Any) -> GenerationRequest:
-    """The request a job carries; raise InvalidJob with a readable reason if it carries none."""
-    if func_name != JOB_FUNCTION:
-        raise InvalidJob(f"a batcher worker runs only {JOB_FUNCTION} jobs, not {func_name!r}")
-    if kwargs or not isinstance(args, (list, tuple)) or len(args) != 1 or not isinstance(args[0], dict):
-        raise InvalidJob(f"{JOB_FUNCTION} takes one positional argument, a GenerationRequest as a JSON object")
-    try:
-        return GenerationRequest.model_validate(args[0])
-    except ValidationError as exc:
-        raise InvalidJob(f"invalid request: {readable(exc)}") from None
-
-
-def request_of(job) -> GenerationRequest | None:
-    """The request an RQ job carries, or None when it carries no readable one (pickled, or invalid)."""
-    try:
-        return request_from_job(job.func_name, job.args, job.kwargs)
-    except Exception:  # noqa: BLE001  (RQ raises its own DeserializationError for pickled data)
-        return None

@@ -1,8 +1,9 @@
 """Iteration-level scheduling: each step decides `{sequence: tokens to compute}` (pure Python).
 
-`schedule()` decides what the next forward computes; `update()` takes what it sampled and advances
-every sequence (computed tokens, new tokens, timestamps, EOS and length stops). The engine between the
-two only executes, so all sequence state changes here.
+`schedule()` decides what the next forward computes (a `StepPlan`); `update()` takes what it sampled and
+advances every sequence (computed tokens, new tokens, timestamps, EOS and length stops); `finish()` ends one
+early (a stop string, a cancel, a failure). The engine between them only executes, so every change of a
+sequence's state (`batcher.sequence`) is made here.
 
 Continuous policy, every step:
   1. running decodes take one token each, then running prefills take their next prompt chunk;
@@ -24,73 +25,17 @@ the step has its whole prompt scheduled, so a prefix they share is computed once
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from batcher.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
 from batcher.config import EngineConfig
-from batcher.schema import SamplingParams
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request inside the engine: its tokens, progress, KV blocks and timestamps."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
-    token_ids: list[int] = field(init=False)
-    status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of its first full blocks, as far as needed so far
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
-    first_scheduled_step: int | None = None
-    finished_step: int | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-
-    def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+from batcher.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledBatch:
+class StepPlan:
     """What one step computes: tokens per sequence (in execution order) and who was preempted."""
 
     num_tokens: dict[Sequence, int] = field(default_factory=dict)
@@ -134,7 +79,11 @@ class Scheduler:
         return max(0, self.config.max_num_seqs - len(self.running) - len(self.waiting))
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence from the batch or the queue and free its blocks."""
+        """Remove a sequence from the batch or the queue and free its blocks. A sequence that has already finished
+        only takes the new reason (a stop string found in its last token names the reason)."""
+        if seq.is_finished:
+            seq.finish_reason = reason
+            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -143,11 +92,11 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def update(self, batch: ScheduledBatch, sampled: dict[Sequence, int], now: float | None = None) -> list[Sequence]:
-        """Advance the sequences of `batch` after its forward: every one computed its scheduled tokens, and
+    def update(self, plan: StepPlan, sampled: dict[Sequence, int], now: float | None = None) -> list[Sequence]:
+        """Advance the sequences of `plan` after its forward: every one computed its scheduled tokens, and
         each one in `sampled` got its next token at `now`. Return the sequences this finished (EOS, length)."""
         now = time.monotonic() if now is None else now
-        for seq, n in batch.num_tokens.items():
+        for seq, n in plan.num_tokens.items():
             seq.num_computed_tokens += n
         finished = []
         for seq, token in sampled.items():
@@ -170,27 +119,27 @@ class Scheduler:
             return "length"
         return None
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> StepPlan:
         static = self.config.policy == "static"
         limit = float("inf") if static else self.config.max_num_batched_tokens
-        batch = ScheduledBatch()
+        plan = StepPlan()
         admit = not static or not self.running
 
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
-            budget = limit - batch.total_tokens
+            budget = limit - plan.total_tokens
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = int(min(seq.num_uncomputed_tokens, budget))
-            if self._reserve(seq, n, batch):
-                batch.num_tokens[seq] = n
+            if self._reserve(seq, n, plan):
+                plan.num_tokens[seq] = n
                 self._cache_full_blocks(seq, n)
 
-        while admit and not batch.preempted and self.waiting:
-            budget = limit - batch.total_tokens
+        while admit and not plan.preempted and self.waiting:
+            budget = limit - plan.total_tokens
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
@@ -202,9 +151,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(seq, shared, new)
-            batch.num_tokens[seq] = n
+            plan.num_tokens[seq] = n
             self._cache_full_blocks(seq, n)
-        return batch
+        return plan
 
     def _admit(self, seq: Sequence, shared: list[int], new: int) -> None:
         """Start `seq` from the cached blocks `shared` (their tokens computed) plus `new` fresh blocks."""
@@ -238,14 +187,14 @@ class Scheduler:
             chain_block_hashes(seq.token_ids, size, seq.block_hashes, end)
             self.allocator.cache_full_blocks(seq.block_table, seq.block_hashes, start, end)
 
-    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Grow `seq`'s blocks for `n` more tokens, preempting the latest admitted until they fit."""
         target = seq.num_computed_tokens + n
         while not self.allocator.can_allocate(self.allocator.extra_blocks(seq.block_table, target)):
             victim = self.running[-1]
             self._preempt(victim)
-            batch.preempted.append(victim)
-            batch.num_tokens.pop(victim, None)
+            plan.preempted.append(victim)
+            plan.num_tokens.pop(victim, None)
             if victim is seq:
                 return False
         self.allocator.grow(seq.block_table, target)

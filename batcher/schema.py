@@ -17,7 +17,7 @@ MAX_TOKENS_LIMIT = 1 << 15
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_MESSAGES = 1024
-MAX_METADATA_ITEMS = 64
+MAX_REQUEST_METADATA_ITEMS = 64  # a request's own metadata (a batch's, as OpenAI limits it: batches/model.py)
 MAX_MODEL_NAME_CHARS = 256
 MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
@@ -26,7 +26,16 @@ FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
 
 class _Strict(BaseModel):
+    """What producers send (requests): an unknown field is an error, so a typo never passes silently."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Tolerant(BaseModel):
+    """What consumers read (results, usage, stream events): fields a newer worker added are ignored, so workers
+    can be upgraded before the clients that read them (a rolling upgrade)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class SamplingParams(_Strict):
@@ -86,7 +95,7 @@ class GenerationRequest(_Strict):
     priority: int = Field(0, ge=0, le=9, description="0 is the most urgent")
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400, description="longest run time once admitted")
     deadline: datetime | None = Field(None, description="fail the job if it has not started by then")
-    metadata: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=MAX_METADATA_ITEMS)
+    metadata: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=MAX_REQUEST_METADATA_ITEMS)
     model: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     chat: bool = False
     batch: BatchItem | None = None
@@ -112,7 +121,7 @@ class GenerationRequest(_Strict):
         return self
 
 
-class Usage(_Strict):
+class Usage(_Tolerant):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = Field(0, description="Prompt tokens found in the worker's prefix cache, not computed again")
@@ -122,7 +131,7 @@ class Usage(_Strict):
         return self.prompt_tokens + self.completion_tokens
 
 
-class Timings(_Strict):
+class Timings(_Tolerant):
     """Seconds: waiting in the queue, to the first token, and from admission to the end."""
 
     queue_s: float | None = None
@@ -130,7 +139,7 @@ class Timings(_Strict):
     total_s: float | None = None
 
 
-class GenerationResult(_Strict):
+class GenerationResult(_Tolerant):
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
@@ -144,7 +153,7 @@ StreamEventType = Literal["start", "token", "done", "error", "restart"]
 STREAM_FIELD = "event"
 
 
-class StreamEvent(BaseModel):
+class StreamEvent(_Tolerant):
     """One event on a job's token stream (`batcher:stream:<job_id>`).
 
     `start` when a worker takes the job; `token` with the text delta, the new token ids and the
@@ -153,8 +162,6 @@ class StreamEvent(BaseModel):
     keep only events of the restart's execution. Unknown fields are ignored, so older readers keep
     working when events grow.
     """
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
 
     type: StreamEventType
     execution_id: str | None = Field(None, description="None only on an end written for an execution that is gone "

@@ -1,6 +1,6 @@
 """The figures a worker publishes with every heartbeat, and `batcher workers` reads: one contract, both sides.
 
-The worker writes `WorkerStats.to_hash()` to `keys.worker_stats_key(name)` (expiring when it dies) and adds its
+The worker writes `WorkerStats.to_dict()` to `keys.worker_stats_key(name)` (expiring when it dies) and adds its
 name to `keys.WORKERS_SET`; `batcher.admin.list_workers` reads them back with `WorkerStats.from_hash`.
 """
 
@@ -35,9 +35,6 @@ class WorkerStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def to_hash(self) -> dict[str, str | int | float]:
-        return self.to_dict()
 
     @classmethod
     def from_hash(cls, raw: dict) -> WorkerStats:

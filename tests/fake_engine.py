@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from batcher.blocks import PrefixCacheStats
-from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest
-from workers.engine_api import RequestError, RequestOutput, StepStats
+from batcher.sequence import Sequence
+from workers.engine_api import EngineStats, RequestError, RequestOutput, StepStats
 
 FIRST_TOKEN = 65  # "A"
 
@@ -37,9 +37,9 @@ class FakeEngine:
         self.last_step: StepStats | None = None
         self.added: list[str] = []
         self._requests: dict[str, _Request] = {}
-        self._prefix_cache_stats = PrefixCacheStats()
+        self.prefix_cache_stats = PrefixCacheStats()  # a test may set its figures
 
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
         if request.prompt == "too long":
             raise RequestError("the prompt has 9999 tokens; this model's context is 512")
         if request_id in self._requests:
@@ -49,7 +49,6 @@ class FakeEngine:
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self._requests[request_id] = _Request(request, seq)
         self.added.append(request_id)
-        return seq
 
     def has_work(self) -> bool:
         return bool(self._requests)
@@ -58,25 +57,10 @@ class FakeEngine:
     def free_slots(self) -> int:
         return max(0, self.max_num_seqs - len(self._requests))
 
-    @property
-    def num_running(self) -> int:
-        return len(self._requests)
-
-    @property
-    def num_waiting(self) -> int:
-        return 0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return len(self._requests) / self.max_num_seqs
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return self._prefix_cache_stats
-
-    @property
-    def dtype(self) -> str:
-        return "float32"
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self._requests), num_waiting=0, free_slots=self.free_slots,
+                           kv_cache_usage=len(self._requests) / self.max_num_seqs,
+                           prefix_cache=self.prefix_cache_stats, dtype="float32", last_step=self.last_step)
 
     def step(self) -> list[RequestOutput]:
         outputs = []
@@ -104,9 +88,12 @@ class FakeEngine:
 
     @staticmethod
     def _output(request_id, req, new, finish_reason=None, error=None) -> RequestOutput:
+        seq = req.seq
         return RequestOutput(request_id=request_id, new_token_ids=new, delta_text="".join(map(chr, new)),
                              text="".join(map(chr, req.token_ids)), token_ids=list(req.token_ids),
-                             num_prompt_tokens=req.seq.num_prompt_tokens, finish_reason=finish_reason, error=error)
+                             num_prompt_tokens=seq.num_prompt_tokens, finish_reason=finish_reason, error=error,
+                             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+                             last_token_time=seq.last_token_time)
 
 
 def expected_text(max_tokens: int) -> str:

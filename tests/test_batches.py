@@ -1,6 +1,7 @@
 """Batches, the completion feed and model routing in the core, on fakeredis (with Lua).
 
-A "worker" here is `record_job_end` inside a MULTI pipeline, as the real worker calls it."""
+A "worker" here records a job's outcome (`record_outcome_on`) inside a MULTI pipeline, as `job_life.record_end`
+does for the real worker."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from batcher import keys
-from batcher.batches import BatchInputError, BatchNotFound, record_job_end
+from batcher.batches.lines import record_outcome_on
+from batcher.batches.model import BatchInputError, BatchNotFound
 from batcher.client import Client
-from batcher.jobs import request_from_job
+from batcher.job_life import decode_request
 from batcher.schema import GenerationResult, Usage
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
@@ -36,10 +38,10 @@ def result(text: str = "ok") -> GenerationResult:
 def finish(client: Client, job_id: str, status: str = "finished", reason: str | None = None) -> None:
     """What the worker does when a job ends: record it in one transaction."""
     job = Job.fetch(job_id, connection=client.connection, serializer=JSONSerializer)
-    request = request_from_job(job.func_name, job.args, job.kwargs)
+    request = decode_request(job)
     with client.connection.pipeline() as pipe:
         pipe.multi()
-        record_job_end(pipe, job_id=job_id, queue=job.origin, status=status, request=request,
+        record_outcome_on(pipe, job_id=job_id, queue=job.origin, status=status, request=request,
                        result=result(f"text of {job_id}") if status != "failed" else None, reason=reason)
         pipe.execute()
 
@@ -55,8 +57,7 @@ def test_a_batch_counts_each_job_once_and_renders_its_files_in_input_order(fake_
     assert batch.request_counts.model_dump() == {"total": 10, "completed": 0, "failed": 2}
     job_ids = queued_ids(client)
     assert job_ids == [keys.batch_job_id(batch.id, i) for i in range(10) if i not in (3, 7)]
-    request = request_from_job(*(lambda j: (j.func_name, j.args, j.kwargs))(
-        Job.fetch(job_ids[0], connection=fake_redis, serializer=JSONSerializer)))
+    request = decode_request(Job.fetch(job_ids[0], connection=fake_redis, serializer=JSONSerializer))
     assert (request.batch.index, request.batch.custom_id, int(request.deadline.timestamp())) == (0, "c0",
                                                                                                  batch.expires_at)
     for job_id in reversed(job_ids[1:]):  # out of order, as workers finish them
@@ -158,7 +159,7 @@ def record_plain_jobs(client: Client, n: int) -> list[str]:
     for job_id in job_ids:
         with client.connection.pipeline() as pipe:
             pipe.multi()
-            record_job_end(pipe, job_id=job_id, queue=keys.DEFAULT_QUEUE, status="finished", request=None,
+            record_outcome_on(pipe, job_id=job_id, queue=keys.DEFAULT_QUEUE, status="finished", request=None,
                            result=result())
             pipe.execute()
     return job_ids
@@ -210,9 +211,9 @@ def test_a_request_with_a_model_goes_to_the_models_queue_which_its_workers_poll_
 def test_the_batch_commands(fake_redis, monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    from batcher.cli import job_commands, main
+    from batcher.cli import main, options
 
-    monkeypatch.setattr(job_commands, "_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
+    monkeypatch.setattr(options, "make_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
     path = tmp_path / "in.jsonl"
     path.write_bytes("\n".join(batch_lines(3, bad=(1,))).encode() + b"\n\xff\xfe\n")
     run = CliRunner().invoke

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from batcher.cli import main
 from batcher.config import EngineConfig
 from tests.jobs_support import claim_database, release_database
-from workers.bench.report import ModelCost, first_difference, percentiles
-from workers.bench.roofline import Roofline
+from workers.bench.report import first_difference, percentiles
+from workers.bench.roofline import ModelCost, Roofline
 from workers.bench.run import run_bench
 from workers.bench.system import ALL_SYSTEMS, System
 from workers.bench.workload import WorkloadError, WorkloadRequest, load_workload, shared_prefix_tokens

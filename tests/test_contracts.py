@@ -17,7 +17,7 @@ STATS = WorkerStats(name="w1", host="h", pid=42, queues="a,b", model="m", state=
 
 def test_worker_stats_survive_a_round_trip_through_a_redis_hash(fake_redis):
     key = keys.worker_stats_key(STATS.name)
-    fake_redis.hset(key, mapping=STATS.to_hash())
+    fake_redis.hset(key, mapping=STATS.to_dict())
     assert WorkerStats.from_hash(fake_redis.hgetall(key)) == STATS
     fake_redis.hset(key, "added_by_a_newer_worker", "x")
     assert WorkerStats.from_hash(fake_redis.hgetall(key)) == STATS

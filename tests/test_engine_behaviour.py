@@ -110,13 +110,13 @@ def test_a_forward_failure_fails_only_its_request(llama, monkeypatch):
     engine = engine_for(llama)
     for i, prompt in enumerate(random_prompts(4, seed=5)):
         engine.add(f"r{i}", greedy(prompt, 6))
-    poison = engine.add("poison", greedy([5, 6, 7], 6))
+    engine.add("poison", greedy([5, 6, 7], 6))
     forward = engine.runner.execute
 
-    def execute(batch):
-        if poison in batch.num_tokens:
+    def execute(plan):
+        if any(seq.request_id == "poison" for seq in plan.num_tokens):
             raise RuntimeError("boom in the forward")
-        return forward(batch)
+        return forward(plan)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     finals = run_all(engine)
@@ -124,40 +124,55 @@ def test_a_forward_failure_fails_only_its_request(llama, monkeypatch):
     assert all(finals[f"r{i}"].finish_reason == "length" and len(finals[f"r{i}"].token_ids) == 6 for i in range(4))
 
 
+def steps_of(engine) -> tuple[dict[str, int], dict[str, int]]:
+    """Run the engine to the end: the step of each request's first token, and the step it finished in (a prompt
+    that fits one step's budget gets its first token in the step that admits it)."""
+    first, finished = {}, {}
+    while engine.has_work():
+        step = engine.step_index
+        for out in engine.step():
+            if out.new_token_ids:
+                first.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = step
+    return first, finished
+
+
 def test_a_finished_slot_is_refilled_on_the_very_next_step(llama):
     engine = engine_for(llama, max_num_seqs=4, max_num_batched_tokens=512)
-    seqs = {}
     for i, max_tokens in enumerate([3, 30, 8, 20, 5, 12, 4, 9]):
-        seqs[i] = engine.add(f"r{i}", greedy([5 + i, 6, 7], max_tokens))
-    run_all(engine)
-    finished_steps = sorted(s.finished_step for s in seqs.values())
-    admitted = sorted(s.first_scheduled_step for s in seqs.values())[4:]  # the four that had to wait
+        engine.add(f"r{i}", greedy([5 + i, 6, 7], max_tokens))
+    first, finished = steps_of(engine)
+    finished_steps = sorted(finished.values())
+    admitted = sorted(first.values())[4:]  # the four that had to wait
     for step in admitted:
         assert step - 1 in finished_steps, f"admitted at step {step}, but no slot freed at step {step - 1}"
 
 
 def test_long_prompt_is_chunked_while_decodes_get_a_token_every_step(llama):
     engine = engine_for(llama, max_num_seqs=8, max_num_batched_tokens=16)
-    decoders = [engine.add(f"d{i}", greedy([5 + i, 6, 7], 60)) for i in range(4)]
+    decoders = [f"d{i}" for i in range(4)]
+    for request_id in decoders:
+        engine.add(request_id, greedy([5 + int(request_id[1:]), 6, 7], 60))
     for _ in range(3):
         engine.step()
-    long = engine.add("long", greedy(random_prompts(1, seed=9, min_len=100, max_len=100)[0], 2))
-    steps = 0
-    while long.num_computed_tokens < long.num_prompt_tokens:
-        before = [d.num_output_tokens for d in decoders]
-        engine.step()
+    engine.add("long", greedy(random_prompts(1, seed=9, min_len=100, max_len=100)[0], 2))
+    steps, outputs = 0, {}
+    while "long" not in outputs:  # until the long prompt is prefilled and samples its first token
+        outputs = {out.request_id: out for out in engine.step()}
         steps += 1
-        assert [d.num_output_tokens for d in decoders] == [b + 1 for b in before]
+        assert all(len(outputs[d].new_token_ids) == 1 for d in decoders)  # every decode got its token
         assert engine.last_step.num_tokens <= 16
     assert steps >= 100 // 16
 
 
 def test_static_policy_admits_only_into_an_empty_batch(llama):
     engine = engine_for(llama, max_num_seqs=2, policy="static")
-    seqs = [engine.add(f"r{i}", greedy([5 + i, 6, 7], n)) for i, n in enumerate([2, 10, 3, 3])]
-    run_all(engine)
-    assert seqs[2].first_scheduled_step > seqs[1].finished_step
-    assert seqs[3].first_scheduled_step == seqs[2].first_scheduled_step
+    for i, n in enumerate([2, 10, 3, 3]):
+        engine.add(f"r{i}", greedy([5 + i, 6, 7], n))
+    first, finished = steps_of(engine)
+    assert first["r2"] > finished["r1"]
+    assert first["r3"] == first["r2"]
 
 
 def test_abort_keeps_partial_text_and_frees_blocks(llama):
@@ -176,13 +191,13 @@ def test_chat_messages_use_the_chat_template(llama):
     engine = engine_for(llama)
     request = GenerationRequest(messages=[{"role": "user", "content": "hello"}], sampling=SamplingParams(max_tokens=2))
     expected = engine.loaded.tokenizer("<|user|>hello</s><|assistant|>")["input_ids"]
-    assert engine.add("chat", request).prompt_token_ids == expected
+    assert engine.tokenize(request) == expected
 
 
 def test_a_chat_prompt_uses_the_template_when_the_model_has_one_and_goes_raw_otherwise(llama):
     engine = engine_for(llama)
     request = GenerationRequest(prompt="hello", chat=True, sampling=SamplingParams(max_tokens=2))
     tokenizer = engine.loaded.tokenizer
-    assert engine.add("chat", request).prompt_token_ids == tokenizer("<|user|>hello</s><|assistant|>")["input_ids"]
+    assert engine.tokenize(request) == tokenizer("<|user|>hello</s><|assistant|>")["input_ids"]
     tokenizer.chat_template = None
-    assert engine.add("raw", request).prompt_token_ids == tokenizer("hello")["input_ids"]
+    assert engine.tokenize(request) == tokenizer("hello")["input_ids"]

@@ -26,7 +26,7 @@ from batcher.schema import GenerationResult, StreamEvent, Usage
 from batcher.worker_stats import WorkerStats
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
-from workers.rq_worker import BatchWorker
+from workers.worker import JobWorker
 
 A, B = {"Authorization": "Bearer key-of-a"}, {"Authorization": "Bearer key-of-b"}
 MODEL = "fake-model"
@@ -56,7 +56,7 @@ def gateway(fake_redis):
 @pytest.fixture
 def worker(fake_redis, keep_signal_handlers):
     """A worker serving MODEL on the default queue, with a fake engine, in a thread."""
-    running = BatchWorker(keys.priority_queue_names([keys.DEFAULT_QUEUE], model=MODEL), FakeEngine(),
+    running = JobWorker(keys.priority_queue_names([keys.DEFAULT_QUEUE], model=MODEL), FakeEngine(),
                           connection=fake_redis, model_name=MODEL, lease_s=1)
     thread = threading.Thread(target=running.work, daemon=True)
     thread.start()
@@ -70,7 +70,7 @@ def pretend_worker(connection, model: str = MODEL) -> None:
     """Stats of a live worker serving `model` that takes no job: requests queue up behind it."""
     stats = WorkerStats(name="idle", host="h", pid=1, queues=keys.DEFAULT_QUEUE, model=model, state="idle",
                         in_flight=0, free_slots=1, kv_usage=0.0, tokens_per_s=0.0, last_heartbeat=0.0)
-    connection.hset(keys.worker_stats_key("idle"), mapping=stats.to_hash())
+    connection.hset(keys.worker_stats_key("idle"), mapping=stats.to_dict())
     connection.sadd(keys.WORKERS_SET, "idle")
 
 

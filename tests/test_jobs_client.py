@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -11,9 +12,10 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from batcher import keys
-from batcher.cli import job_commands, main
+from batcher.cli import main, options
 from batcher.client import Client, JobFailed, JobNotFound, QueueFull
-from batcher.jobs import JOB_FUNCTION, InvalidJob, NeedsBatchWorker, generate, request_from_job
+from batcher.job_life import InvalidJob, decode_request
+from batcher.jobs import JOB_FUNCTION, NeedsBatcherWorker, generate
 from batcher.schema import GenerationRequest, StreamEvent
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
@@ -39,7 +41,7 @@ def test_priority_levels_have_one_queue_each_most_urgent_first():
 
 def test_job_argument_is_validated_with_readable_reasons():
     ok = GenerationRequest(prompt="hi").model_dump(mode="json")
-    assert request_from_job(JOB_FUNCTION, [ok], {}).prompt == "hi"
+    assert decode_request(SimpleNamespace(func_name=JOB_FUNCTION, args=[ok], kwargs={})).prompt == "hi"
     cases = [
         ("os.system", (ok,), {}, "runs only batcher.jobs.generate"),
         (JOB_FUNCTION, ("hi",), {}, "one positional argument"),
@@ -49,11 +51,11 @@ def test_job_argument_is_validated_with_readable_reasons():
     ]
     for func, args, kwargs, reason in cases:
         with pytest.raises(InvalidJob, match=reason.replace(".", r"\.")):
-            request_from_job(func, args, kwargs)
+            decode_request(SimpleNamespace(func_name=func, args=args, kwargs=kwargs))
 
 
 def test_a_plain_rq_worker_fails_the_job_and_says_to_run_batcher_worker(fake_redis):
-    with pytest.raises(NeedsBatchWorker, match="batcher worker"):
+    with pytest.raises(NeedsBatcherWorker, match="batcher worker"):
         generate({"prompt": "hi"})
     job_id = Client(fake_redis, queue="plain").submit("hi")
     SimpleWorker(["plain"], connection=fake_redis, serializer=JSONSerializer).work(burst=True)
@@ -159,7 +161,7 @@ def test_stream_keeps_only_the_restarted_attempt(fake_redis):
 
 
 def test_cli_submit_file_creates_a_batch_whose_bad_lines_are_failed_requests(fake_redis, monkeypatch, tmp_path):
-    monkeypatch.setattr(job_commands, "_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
+    monkeypatch.setattr(options, "make_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
     lines = [
         {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 4}},
         {"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "bogus": 1}},
@@ -189,7 +191,7 @@ def test_cli_submit_needs_exactly_one_input():
 
 
 def test_cli_tail_status_and_cancel(fake_redis, monkeypatch):
-    monkeypatch.setattr(job_commands, "_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
+    monkeypatch.setattr(options, "make_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
     key = keys.stream_key("j1")
     for kind, execution, text in [("start", "e1", ""), ("token", "e1", "Hel"), ("restart", "e2", ""),
                                   ("token", "e2", "Hello"), ("token", "e2", " world")]:

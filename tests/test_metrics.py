@@ -103,7 +103,7 @@ def test_http_scrape_while_requests_run(engine):
         request = GenerationRequest(prompt_token_ids=list(range(5, 5 + PROMPT_LEN)),
                                     sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
         for i in range(NUM_REQUESTS):
-            metrics.observe_added(engine.add(f"r{i}", request))
+            engine.add(f"r{i}", request)
         metrics.set_queue_depth("default", 7)
         first_step = engine.step_index
         during, preempted, seqs_per_step = [], 0, 0
@@ -166,7 +166,7 @@ def test_a_worker_counts_every_token_of_every_job_exactly(tiny_model_dir):
     and the token counters equal the jobs' usage (the last token of a job counts too)."""
     from batcher.client import Client
     from tests.jobs_support import embedded_redis
-    from workers.rq_worker import BatchWorker
+    from workers.worker import JobWorker
 
     connection = embedded_redis()
     engine = build_engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu"))
@@ -177,7 +177,7 @@ def test_a_worker_counts_every_token_of_every_job_exactly(tiny_model_dir):
     ids = client.submit_many([GenerationRequest(prompt_token_ids=[5 + i] * (3 + i),
                                                 sampling=SamplingParams(max_tokens=n, ignore_eos=True))
                               for i, n in enumerate(lengths)])
-    BatchWorker(["m"], engine, connection=connection, **metrics.worker_hooks()).work(burst=True)
+    JobWorker(["m"], engine, connection=connection, **metrics.worker_hooks()).work(burst=True)
     usages = [client.result(job_id, timeout=10).usage for job_id in ids]
 
     def sample(name: str, **labels) -> float:

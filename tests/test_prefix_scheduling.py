@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
-from batcher.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
+from batcher.scheduler import Scheduler, StepPlan
+from batcher.sequence import Sequence, SequenceStatus
 from batcher.schema import SamplingParams
 
 TOKEN = 7
@@ -39,10 +40,10 @@ class SimulatedCache:
     def slot(self, s: Sequence, position: int) -> int:
         return s.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def forward(self, batch: ScheduledBatch, failing: Sequence | None = None, sched: Scheduler | None = None) -> ScheduledBatch:
+    def forward(self, batch: StepPlan, failing: Sequence | None = None, sched: Scheduler | None = None) -> StepPlan:
         """Run `batch` as the engine does; with `failing`, that sequence's forward raises and the engine
         runs the others alone, in order, skipping any that the failure preempted. Returns what was computed."""
-        computed = ScheduledBatch(preempted=batch.preempted)
+        computed = StepPlan(preempted=batch.preempted)
         order = list(batch.num_tokens.items())
         if failing is None:
             runs = [order]

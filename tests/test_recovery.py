@@ -19,9 +19,9 @@ from batcher.client import Client, JobFailed
 from batcher.jobs import JOB_FUNCTION, MAX_REASON_CHARS
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
-from tests.test_rq_worker import Q, events, expire_leases, fetch, make_worker, request
+from tests.test_worker import Q, events, expire_leases, fetch, make_worker, request
 from workers.leases import MAX_ATTEMPTS
-from workers.rq_worker import BUSY_RESCAN_S
+from workers.admission import BUSY_RESCAN_S
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 

@@ -7,7 +7,8 @@ import itertools
 
 from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
-from batcher.scheduler import Scheduler, Sequence, SequenceStatus
+from batcher.scheduler import Scheduler
+from batcher.sequence import Sequence, SequenceStatus
 from batcher.schema import SamplingParams
 
 

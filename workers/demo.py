@@ -1,6 +1,6 @@
 """`batcher demo`: the whole system in one process, on the bundled model.
 
-A BatchWorker serves a queue from a thread, the bundled sample documents are enqueued as
+A JobWorker serves a queue from a thread, the bundled sample documents are enqueued as
 summarisation jobs, and their streams are followed live. With `compare`, the same jobs then run
 under static batching on the same model, so the two figures come from one run.
 """
@@ -22,7 +22,7 @@ from batcher.config import EngineConfig
 from batcher.openai_batch import parse_batch_line
 from batcher.schema import GenerationRequest
 from workers.engine import Engine
-from workers.rq_worker import BatchWorker
+from workers.worker import JobWorker
 
 SAMPLES = "samples.jsonl"
 REDRAW_S = 0.5
@@ -77,7 +77,7 @@ def run_jobs(connection: Redis, engine: Engine, queue: str, live: bool) -> tuple
     """Serve `queue` with a worker thread, enqueue the samples, follow them; return results and wall time."""
     client = Client(connection, queue=queue)
     requests = sample_requests()
-    worker = BatchWorker([queue], engine, connection=connection, name=f"demo-{queue}")
+    worker = JobWorker([queue], engine, connection=connection, name=f"demo-{queue}")
     started = time.monotonic()
     job_ids = client.submit_many([request for _, request in requests])
     serving = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"}, daemon=True)

@@ -4,7 +4,9 @@ of Redis and holds no sequence state of its own: each step is glue between the p
     tokenize (on add) -> Scheduler.schedule -> ModelRunner.execute -> Sampler.sample
         -> Scheduler.update -> detokenize (and stop strings)
 
-and returns what changed for each request: new tokens and text, and a finish reason when it is done.
+and returns what changed for each request: new tokens and text, the request's times, and a finish reason
+when it is done. Plain data crosses the boundary: `add` returns nothing, outputs are copies, and `stats()` is a
+snapshot, so no one outside holds a live sequence.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from batcher.blocks import BlockAllocator, PrefixCacheStats, blocks_needed
+from batcher.blocks import BlockAllocator, blocks_needed
 from batcher.config import EngineConfig
-from batcher.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
+from batcher.scheduler import Scheduler, StepPlan
 from batcher.schema import GenerationRequest, SamplingParams
+from batcher.sequence import Sequence, SequenceStatus
 from workers.detokenize import IncrementalDetokenizer
-from workers.engine_api import RequestError, RequestOutput, StepStats
+from workers.engine_api import EngineStats, RequestError, RequestOutput, StepStats
 from workers.models import LoadedModel
 from workers.runner import ModelRunner
 from workers.sampling import Sampler
@@ -55,7 +58,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
 
     # ----- the public API -----
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
         """Queue a request. Raises RequestError, and keeps nothing, if it can never be served."""
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in the engine")
@@ -66,7 +69,6 @@ class Engine:
         detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, request.sampling.stop)
         self._requests[request_id] = _Request(seq, detok)
         self.scheduler.add(seq)
-        return seq
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -77,27 +79,17 @@ class Engine:
         return self.scheduler.free_slots
 
     @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV-cache blocks in use."""
-        return self.scheduler.allocator.usage
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up in the prefix cache, and found there, since the engine started."""
-        return self.scheduler.prefix_cache_stats
-
-    @property
     def dtype(self) -> str:
         """The dtype the model runs in (never "auto": `build_engine` resolves it)."""
         return self.config.dtype
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state, for metrics and the worker's published figures."""
+        scheduler = self.scheduler
+        return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                           free_slots=scheduler.free_slots, kv_cache_usage=scheduler.allocator.usage,
+                           prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
+                           last_step=self.last_step)
 
     def warm_up(self) -> None:
         """Run one tiny request to the end, before serving or timing anything."""
@@ -116,28 +108,24 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update; return an output for every request that changed."""
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
+        plan = self.scheduler.schedule()
+        if not plan:
             return []
-        outputs: list[RequestOutput] = []
-        for seq in batch.num_tokens:
-            if seq.first_scheduled_step is None:
-                seq.first_scheduled_step = self.step_index
-        computed, sampled = self._run(batch, outputs)
+        computed, sampled, outputs = self._run(plan)
         finished = set(self.scheduler.update(computed, sampled))
         for seq, token in sampled.items():
             req = self._requests[seq.request_id]
             try:
                 outputs.append(self._accept(req, token, seq in finished))
-            except Exception as exc:  # one request's post-processing must not take down the batch
+            except Exception as exc:  # one request's post-processing must not take down the others
                 log.exception("request %s failed after sampling", seq.request_id)
                 outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
         self.last_step = StepStats(
             step=self.step_index,
-            num_seqs=len(batch.num_tokens),
-            num_tokens=batch.total_tokens,
-            num_prefill_tokens=sum(n for n in batch.num_tokens.values() if n > 1),
-            num_preempted=len(batch.preempted),
+            num_seqs=len(plan.num_tokens),
+            num_tokens=plan.total_tokens,
+            num_prefill_tokens=sum(n for n in plan.num_tokens.values() if n > 1),
+            num_preempted=len(plan.preempted),
             duration_s=time.perf_counter() - started,
         )
         self.step_index += 1
@@ -173,32 +161,34 @@ class Engine:
             raise RequestError(f"the request may need {longest} tokens of KV cache; the whole cache holds "
                                f"{allocator.num_blocks * allocator.block_size}")
 
-    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> tuple[ScheduledBatch, dict[Sequence, int]]:
-        """Run the batch; if the forward raises, rerun each sequence alone and fail only the culprits.
+    def _run(self, plan: StepPlan) -> tuple[StepPlan, dict[Sequence, int], list[RequestOutput]]:
+        """Run the plan; if the forward raises, rerun each sequence alone and fail only the culprits.
 
-        Returns the part of the batch that was computed and the token each of its sampling sequences drew."""
+        Returns the part of the plan that was computed, the token each of its sampling sequences drew, and the
+        outputs of the sequences that failed."""
         try:
-            return batch, self._forward(batch)
+            return plan, self._forward(plan), []
         except Exception as exc:
-            if len(batch.num_tokens) == 1:
-                seq = next(iter(batch.num_tokens))
+            if len(plan.num_tokens) == 1:
+                seq = next(iter(plan.num_tokens))
                 log.exception("request %s failed in the forward", seq.request_id)
-                outputs.append(self._fail(self._requests[seq.request_id], f"{type(exc).__name__}: {exc}"))
-                return ScheduledBatch(preempted=batch.preempted), {}
-            log.warning("a batch of %d failed (%s); isolating the culprit", len(batch.num_tokens), exc)
-        computed, sampled = ScheduledBatch(preempted=batch.preempted), {}
-        for seq, n in batch.num_tokens.items():
+                failed = self._fail(self._requests[seq.request_id], f"{type(exc).__name__}: {exc}")
+                return StepPlan(preempted=plan.preempted), {}, [failed]
+            log.warning("a step of %d sequences failed (%s); isolating the culprit", len(plan.num_tokens), exc)
+        computed, sampled, failures = StepPlan(preempted=plan.preempted), {}, []
+        for seq, n in plan.num_tokens.items():
             if seq.status is not SequenceStatus.RUNNING:  # it started from blocks a failed sequence never filled
                 computed.preempted.append(seq)
                 continue
-            part, part_sampled = self._run(ScheduledBatch({seq: n}), outputs)
+            part, part_sampled, part_failures = self._run(StepPlan({seq: n}))
             computed.num_tokens.update(part.num_tokens)
             sampled.update(part_sampled)
-        return computed, sampled
+            failures += part_failures
+        return computed, sampled, failures
 
     @torch.inference_mode()
-    def _forward(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        logits, seqs = self.runner.execute(batch)
+    def _forward(self, plan: StepPlan) -> dict[Sequence, int]:
+        logits, seqs = self.runner.execute(plan)
         return dict(zip(seqs, self.sampler.sample(logits, seqs)))
 
     def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
@@ -207,9 +197,8 @@ class Engine:
         req.new_token_ids.append(token)
         req.delta_text += req.detokenizer.push(token)
         if req.detokenizer.stopped:
-            if not finished:
-                self.scheduler.finish(seq, "stop")
-            seq.finish_reason, finished = "stop", True  # a stop string names the reason, even on the last token
+            self.scheduler.finish(seq, "stop")  # a stop string names the reason, even on the last token
+            finished = True
         if finished:
             req.delta_text += req.detokenizer.flush()
             self._forget(req)
@@ -217,16 +206,20 @@ class Engine:
         return self._emit(req)
 
     def _emit(self, req: _Request, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
+        seq = req.seq
         out = RequestOutput(
-            request_id=req.seq.request_id,
+            request_id=seq.request_id,
             new_token_ids=req.new_token_ids,
             delta_text=req.delta_text,
             text=req.detokenizer.text,
-            token_ids=req.seq.output_token_ids,
-            num_prompt_tokens=req.seq.num_prompt_tokens,
-            num_cached_tokens=req.seq.num_cached_tokens,
+            token_ids=seq.output_token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
             finish_reason=finish_reason,
             error=error,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            last_token_time=seq.last_token_time,
         )
         req.new_token_ids, req.delta_text = [], ""
         return out
@@ -243,7 +236,6 @@ class Engine:
 
     def _forget(self, req: _Request) -> None:
         """Drop the engine's per-request helpers of a sequence the scheduler has finished."""
-        req.seq.finished_step = self.step_index
         self.sampler.forget(req.seq.request_id)
         del self._requests[req.seq.request_id]
 

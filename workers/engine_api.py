@@ -1,7 +1,8 @@
 """The engine's interface, as the worker, the metrics and the offline runner use it (no torch here).
 
 `workers.engine.Engine` implements `EngineProtocol`; so does the test suite's fake engine, and a test
-checks that both still match it. What one step produces for one request is a `RequestOutput`.
+checks that both still match it. Only plain data crosses it: what one step produces for one request is a
+`RequestOutput` (with the request's times), and `stats()` returns an `EngineStats` snapshot.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from batcher.blocks import PrefixCacheStats
-from batcher.scheduler import Sequence
 from batcher.schema import GenerationRequest, GenerationResult, Timings, Usage
 
 
@@ -31,6 +31,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     finish_reason: str | None = None
     error: str | None = None
+    # The request's times (time.monotonic()): added to the engine, its first token, its latest token.
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,6 +67,19 @@ class StepStats:
     duration_s: float
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine, for metrics and the figures a worker publishes."""
+
+    num_running: int
+    num_waiting: int
+    free_slots: int
+    kv_cache_usage: float  # fraction of KV-cache blocks in use
+    prefix_cache: PrefixCacheStats  # prompt tokens looked up in the prefix cache, and found there, since the start
+    dtype: str  # the dtype the model runs in, e.g. "bfloat16" (never "auto")
+    last_step: StepStats | None
+
+
 class LoadedModelInfo(Protocol):
     name: str
 
@@ -72,10 +89,8 @@ class EngineProtocol(Protocol):
     """`add` requests, `step` until `has_work` is false, `abort` one early. One thread drives it."""
 
     loaded: LoadedModelInfo
-    step_index: int
-    last_step: StepStats | None
 
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
         """Queue a request; raise RequestError, keeping nothing, if it can never be served."""
 
     def step(self) -> list[RequestOutput]:
@@ -90,20 +105,5 @@ class EngineProtocol(Protocol):
     def free_slots(self) -> int:
         """How many more requests could join without waiting for a slot."""
 
-    @property
-    def num_running(self) -> int: ...
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV-cache blocks in use."""
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up in the prefix cache, and found there, since the engine started."""
-
-    @property
-    def dtype(self) -> str:
-        """The dtype the model runs in, e.g. "bfloat16" (never "auto")."""
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state."""

@@ -15,7 +15,7 @@
   A job a dead worker had taken from its queue but not started yet (still in RQ's intermediate list after
   STRANDED_GRACE_LEASES leases) goes back to the front of its queue. The job's own RQ `Retry` plays no part, so
   a job enqueued with plain RQ is recovered the same way, and RQ's started registry sees a long lease
-  (`rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
+  (`batcher.rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
 """
 
 from __future__ import annotations
@@ -30,12 +30,9 @@ from redis import Redis
 from redis.exceptions import WatchError
 
 from batcher import keys
-from batcher.batches import record_job_end
-from batcher.job_stream import append_event
-from batcher.jobs import request_of
+from batcher.job_life import TERMINAL_STATUSES, readable_request, record_end
 from batcher.redis_retry import REDIS_ERRORS
-from batcher.schema import StreamEvent
-from workers.rq_adapter import BaseBatchWorker, Execution, Job, NoSuchJobError, Queue
+from batcher.rq_adapter import BaseJobWorker, Execution, Job, NoSuchJobError, Queue
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +43,6 @@ RECOVERY_BATCH = 100  # expired leases looked at per queue and tick
 MAX_WATCH_RETRIES = 5  # a fenced transaction retried when the keeper renewed one of its leases meanwhile
 RECOVERING = "recovering"  # what a lease key holds while a worker recovers its job
 CANCELLED_WHILE_LOST = "cancelled while its worker was lost"
-ENDED_STATUSES = ("finished", "failed", "stopped", "canceled")
 # A job taken (moved to the intermediate list) is started within milliseconds; one still there this many leases
 # later was taken by a worker that died before starting it.
 STRANDED_GRACE_LEASES = 2
@@ -137,7 +133,7 @@ class LeaseKeeper:
     `in_flight()` gives the snapshot; `on_beat(pipe)` adds the worker's own heartbeat to the renewal's pipeline;
     `on_lost(jobs)` and `on_cancelled(jobs)` are called on the keeper's thread."""
 
-    def __init__(self, worker: BaseBatchWorker, in_flight: Callable[[], Sequence[Leased]],
+    def __init__(self, worker: BaseJobWorker, in_flight: Callable[[], Sequence[Leased]],
                  on_beat: Callable[[object], None], on_lost: Callable[[list[Leased]], None],
                  on_cancelled: Callable[[list[Leased]], None]) -> None:
         self.worker = worker
@@ -234,24 +230,20 @@ class LeaseKeeper:
         execution = worker.execution_of(job, execution_id)
         with connection.pipeline() as pipe:
             pipe.multi()
-            if job.get_status(refresh=False) in ENDED_STATUSES:  # its end was recorded meanwhile: nothing to run
+            if job.get_status(refresh=False) in TERMINAL_STATUSES:  # its end was recorded meanwhile: nothing to run
                 release_on(pipe, job_id, execution_id, queue.name, ended=False)
                 pipe.execute()
                 return False
             if cancelled:
-                worker.failure_on(pipe, job, queue, execution, CANCELLED_WHILE_LOST, stopped=True)
-                append_event(pipe, job_id, StreamEvent(type="done", finish_reason="cancelled"), worker.failure_ttl(job))
-                record_job_end(pipe, job_id=job_id, queue=queue.name, status="stopped", request=request_of(job),
-                               reason=CANCELLED_WHILE_LOST)
+                record_end(pipe, job, queue, "stopped", request=readable_request(job), reason=CANCELLED_WHILE_LOST,
+                           worker=worker, execution=execution)
                 outcome = "ended it as cancelled"
             elif attempts >= MAX_ATTEMPTS:
                 reason = (f"the job was started {attempts} times, and each time its worker was lost (it crashed, or "
                           "could not reach Redis for longer than its lease); it is not started again, in case it is "
                           "what brings workers down")
-                worker.failure_on(pipe, job, queue, execution, reason, stopped=False)
-                append_event(pipe, job_id, StreamEvent(type="error", error=reason), worker.failure_ttl(job))
-                record_job_end(pipe, job_id=job_id, queue=queue.name, status="failed", request=request_of(job),
-                               reason=reason)
+                record_end(pipe, job, queue, "failed", request=readable_request(job), reason=reason, worker=worker,
+                           execution=execution)
                 outcome = "failed it as a poison job"
             else:
                 worker.requeue_on(pipe, job, queue, execution)

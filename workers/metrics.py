@@ -5,20 +5,18 @@ dashboards and alerts written for vLLM translate directly. Every series carries 
 the worker's identity comes from the scrape target (`instance`, `pod`), not from a label, so a
 restarted worker does not start new series.
 
-The worker calls, from its engine loop:
-  - `observe_added(seq)` for each request it adds to the engine (`Engine.add` returns `seq`),
-  - `observe_step(outputs)` after each `Engine.step()`,
+The worker calls, from its engine loop (through `worker_hooks`):
+  - `observe_step(outputs)` after each `Engine.step()`: each output carries its request's times,
   - `observe_finished(request_id, reason, ...)` once for each request that ends, however it ends (before or
     after the step that produced its last token is observed: either way that token counts),
   - `set_queue_depth(queue, n)` whenever it has read a queue's length.
-The gauges of the engine's state, and the prefix cache's counters (kept by the scheduler), are read
+The gauges of the engine's state, and the prefix cache's counters, are read from the engine's stats snapshot
 when Prometheus scrapes, so they cost the loop nothing and stay right while the engine is idle.
 """
 
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import prometheus_client
@@ -31,7 +29,6 @@ from batcher.schema import FinishReason
 if TYPE_CHECKING:
     from http.server import HTTPServer
 
-    from batcher.scheduler import Sequence
     from workers.engine_api import EngineProtocol, RequestOutput
 
 
@@ -60,7 +57,7 @@ class _PrefixCacheCollector:
         self._engine = engine
 
     def collect(self):
-        stats = self._engine.prefix_cache_stats
+        stats = self._engine.stats().prefix_cache
         model = self._engine.loaded.name
         for name, doc, tokens in (
                 ("batcher_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queries),
@@ -70,21 +67,13 @@ class _PrefixCacheCollector:
             yield family
 
 
-@dataclass
-class _Tracked:
-    """What the metrics remember of one request in the engine: when its last token came."""
-
-    seq: Sequence
-    last_token_time: float | None = None
-
-
 class EngineMetrics:
     """The metrics of one engine. One per process on the default registry; tests pass their own."""
 
     def __init__(self, engine: EngineProtocol, registry: CollectorRegistry | None = None) -> None:
         self.registry = REGISTRY if registry is None else registry
         self._engine = engine
-        self._tracked: dict[str, _Tracked] = {}
+        self._last_token_times: dict[str, float] = {}  # by request, once it has its first token
         self._finished: set[str] = set()  # ended, tracked until the step that produced their last token is observed
         self._last_step_seen: int | None = None
         model = engine.loaded.name
@@ -99,14 +88,14 @@ class EngineMetrics:
             return Histogram(name, doc, [MODEL_LABEL], buckets=buckets, registry=self.registry).labels(model)
 
         gauge("batcher_num_requests_running", "Requests in the engine's running batch.").set_function(
-            lambda: engine.num_running)
+            lambda: engine.stats().num_running)
         gauge("batcher_num_requests_waiting", "Requests in the engine, waiting for a slot or KV blocks.").set_function(
-            lambda: engine.num_waiting)
+            lambda: engine.stats().num_waiting)
         gauge("batcher_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).").set_function(
-            lambda: engine.kv_cache_usage)
+            lambda: engine.stats().kv_cache_usage)
         self.registry.register(_PrefixCacheCollector(engine))
         Gauge("batcher_engine_info", "How the engine runs, as labels (the value is 1): the dtype of the model.",
-              [MODEL_LABEL, "dtype"], registry=self.registry).labels(model, engine.dtype).set(1)
+              [MODEL_LABEL, "dtype"], registry=self.registry).labels(model, engine.stats().dtype).set(1)
         self._queue_depth = Gauge("batcher_queue_depth", "Jobs waiting in a Redis queue, as this worker last read it.",
                                   ["queue"], registry=self.registry)
 
@@ -134,16 +123,10 @@ class EngineMetrics:
         # Every reason exists from the start at 0, so rate() sees the first request of each.
         self._by_reason = {reason: success.labels(model, reason) for reason in FINISHED_REASONS}
 
-    def observe_added(self, seq: Sequence) -> None:
-        """Start timing a request that has just been added to the engine."""
-        self._tracked[seq.request_id] = _Tracked(seq)
-
     def observe_step(self, outputs: list[RequestOutput]) -> None:
-        """Record the step the engine has just run and the tokens it produced.
-
-        Token timings are the engine's own timestamps; each output carries one new token.
-        """
-        stats = self._engine.last_step
+        """Record the step the engine has just run and the tokens it produced, by the engine's own timestamps
+        (each output carries its request's times and one new token)."""
+        stats = self._engine.stats().last_step
         if stats is not None and stats.step != self._last_step_seen:  # step() had nothing to run otherwise
             self._last_step_seen = stats.step
             self._step_duration.observe(stats.duration_s)
@@ -155,20 +138,17 @@ class EngineMetrics:
             if not out.new_token_ids:
                 continue
             generated += len(out.new_token_ids)
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
-                continue
-            now = tracked.seq.last_token_time
-            if tracked.last_token_time is None:
-                self._ttft.observe(now - tracked.seq.arrival_time)
+            previous = self._last_token_times.get(out.request_id)
+            if previous is None:
+                self._ttft.observe(out.first_token_time - out.arrival_time)
                 self._prompt_tokens.inc(out.num_prompt_tokens)
             else:
-                self._itl.observe(now - tracked.last_token_time)
-            tracked.last_token_time = now
+                self._itl.observe(out.last_token_time - previous)
+            self._last_token_times[out.request_id] = out.last_token_time
         if generated:
             self._generation_tokens.inc(generated)
         for request_id in self._finished:
-            self._tracked.pop(request_id, None)
+            self._last_token_times.pop(request_id, None)
         self._finished.clear()
 
     def observe_finished(self, request_id: str, reason: str, queue_s: float | None = None,
@@ -188,7 +168,7 @@ class EngineMetrics:
             self._e2e.observe(e2e_s)
 
     def worker_hooks(self) -> dict:
-        """The `on_added`, `on_step` and `on_job_end` hooks that feed these metrics from a BatchWorker."""
+        """The `on_step` and `on_job_end` hooks that feed these metrics from a JobWorker."""
 
         def on_step(worker, outputs: list[RequestOutput]) -> None:
             self.observe_step(outputs)
@@ -197,7 +177,7 @@ class EngineMetrics:
 
         def on_job_end(worker, end) -> None:
             if end.status == "lost":  # another worker runs it now and will count it
-                self._tracked.pop(end.execution_id, None)
+                self._last_token_times.pop(end.execution_id, None)
                 return
             timings = end.result.timings if end.result is not None else None
             queue_s = timings.queue_s if timings else None
@@ -206,8 +186,7 @@ class EngineMetrics:
                       "stopped": "cancelled"}.get(end.status, ERROR_REASON)
             self.observe_finished(end.execution_id, reason, queue_s, e2e_s)
 
-        return {"on_added": lambda worker, seq: self.observe_added(seq), "on_step": on_step,
-                "on_job_end": on_job_end}
+        return {"on_step": on_step, "on_job_end": on_job_end}
 
     def set_queue_depth(self, queue: str, depth: int) -> None:
         self._queue_depth.labels(queue).set(depth)

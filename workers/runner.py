@@ -18,7 +18,8 @@ import torch
 
 from batcher.blocks import blocks_needed
 from batcher.config import EngineConfig
-from batcher.scheduler import ScheduledBatch, Sequence
+from batcher.scheduler import StepPlan
+from batcher.sequence import Sequence
 from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, length_bias, step_metadata
 from workers.compiled_forward import CompiledForward
 from workers.models import LoadedModel
@@ -148,11 +149,11 @@ class ModelRunner:
                            bias.to(self.device), shared_blocks=shared)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
         K sequences whose prompt is now fully computed, in the order returned."""
-        decodes, decode_groups = self._plan_decodes([s for s, n in batch.num_tokens.items() if n == 1])
-        prefills = [(s, n) for s, n in batch.num_tokens.items() if n > 1]
+        decodes, decode_groups = self._plan_decodes([s for s, n in plan.num_tokens.items() if n == 1])
+        prefills = [(s, n) for s, n in plan.num_tokens.items() if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -169,7 +170,7 @@ class ModelRunner:
                 context = None if start == 0 else torch.tensor(seq.block_table[: blocks_needed(end, self.block_size)],
                                                                device=self.device)
                 spans.append(PrefillSpan(row, n, start, context))
-            if batch.samples(seq):
+            if plan.samples(seq):
                 sampling.append(seq)
                 last_rows.append(row + n - 1)
 

@@ -7,21 +7,42 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+from redis import Redis
 
 from batcher import keys
 from batcher.worker_stats import WorkerState, WorkerStats
-
-if TYPE_CHECKING:
-    from workers.rq_worker import BatchWorker
+from workers.engine_api import EngineProtocol
 
 log = logging.getLogger(__name__)
 
 STATS_TTL_LEASES = 2  # a worker's published stats outlive one missed heartbeat, not a dead worker
 
 
+class PublishingWorker(Protocol):
+    """What the publisher reads of a worker (`workers.worker.JobWorker`)."""
+
+    name: str
+    connection: Redis
+    queues: list
+    model_name: str
+    lease_s: int
+    engine: EngineProtocol
+    tokens_generated: int
+
+    @property
+    def drain_requested(self) -> bool: ...
+
+    @property
+    def suspended(self) -> bool: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+
 class StatsPublisher:
-    def __init__(self, worker: BatchWorker) -> None:
+    def __init__(self, worker: PublishingWorker) -> None:
         self.worker = worker
         self._rate_mark = (time.monotonic(), 0)  # (when, tokens generated) at the last publication
 
@@ -34,12 +55,12 @@ class StatsPublisher:
             log.exception("worker %s: could not gather its stats", worker.name)
             return
         key = keys.worker_stats_key(worker.name)
-        pipe.hset(key, mapping=stats.to_hash())
+        pipe.hset(key, mapping=stats.to_dict())
         pipe.expire(key, STATS_TTL_LEASES * worker.lease_s)
         pipe.sadd(keys.WORKERS_SET, worker.name)
 
     def current(self) -> WorkerStats:
-        worker, engine = self.worker, self.worker.engine
+        worker, engine = self.worker, self.worker.engine.stats()  # a snapshot
         moment, tokens = time.monotonic(), worker.tokens_generated
         since, before = self._rate_mark
         self._rate_mark = (moment, tokens)
@@ -56,7 +77,7 @@ class StatsPublisher:
             model=worker.model_name, state=state, in_flight=worker.num_in_flight, free_slots=engine.free_slots,
             kv_usage=round(engine.kv_cache_usage, 4), dtype=engine.dtype,
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
-            prefix_cache_hit_rate=round(engine.prefix_cache_stats.hit_rate, 4))
+            prefix_cache_hit_rate=round(engine.prefix_cache.hit_rate, 4))
 
     def remove(self) -> None:
         worker = self.worker

@@ -27,7 +27,7 @@ from redis import Redis
 
 from batcher import keys
 from batcher.job_stream import STREAM_MAXLEN, ttl_arg
-from batcher.schema import STREAM_FIELD, FinishReason, StreamEvent, Usage
+from batcher.schema import STREAM_FIELD, StreamEvent
 
 STREAM_FLUSH_S = 0.02  # a token waits in the buffer this long at most (or one step): no reader notices
 KEEP_TTL = ""  # a write that leaves the stream's TTL as it is
@@ -135,15 +135,10 @@ class StreamWriter:
         attempt.add(StreamEvent.model_construct(type="token", execution_id=attempt.execution_id, text=text,
                                                 token_ids=token_ids, index=index))
 
-    def done(self, execution_id: str, finish_reason: FinishReason, usage: Usage | None, ttl: int | None) -> None:
+    def end(self, execution_id: str, event: StreamEvent, ttl: int | None) -> None:
+        """The execution's terminal event (`batcher.job_life.terminal_event`), and the stream's TTL from then on."""
         attempt = self._attempts[execution_id]
-        attempt.add(StreamEvent(type="done", execution_id=attempt.execution_id, finish_reason=finish_reason,
-                                usage=usage))
-        attempt.ttl = ttl_arg(ttl)
-
-    def error(self, execution_id: str, reason: str, ttl: int | None) -> None:
-        attempt = self._attempts[execution_id]
-        attempt.add(StreamEvent(type="error", execution_id=attempt.execution_id, error=reason))
+        attempt.add(event.model_copy(update={"execution_id": attempt.execution_id}))
         attempt.ttl = ttl_arg(ttl)
 
     def discard(self, execution_id: str) -> None:

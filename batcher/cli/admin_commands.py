@@ -11,7 +11,7 @@ import time
 import click
 
 from batcher import admin, keys
-from batcher.cli import main
+from batcher.cli.group import main
 from batcher.cli.options import json_option, redis_url_option
 
 DRAIN_POLL_S = 0.5

@@ -9,11 +9,11 @@ import time
 
 import click
 
+import batcher.cli.options as options
 from batcher import keys
-from batcher.batches import DEFAULT_COMPLETION_WINDOW
-from batcher.cli import main
-from batcher.cli import job_commands
-from batcher.cli.job_commands import queue_option, redis_url_option
+from batcher.batches.model import DEFAULT_COMPLETION_WINDOW
+from batcher.cli.group import main
+from batcher.cli.options import queue_option, redis_url_option
 from batcher.openai_batch import ENDPOINTS
 
 WAIT_POLL_S = 0.5
@@ -24,7 +24,7 @@ DEFAULT_LIST_LIMIT = 20
 def batch_errors():
     """Turn an unknown batch id, bad batch settings or a full queue into a one-line CLI error (a bad line
     of the file is not an error here: it becomes a failed request with its reason in the error file)."""
-    from batcher.batches import BatchInputError, BatchNotFound
+    from batcher.batches.model import BatchInputError, BatchNotFound
     from batcher.client import QueueFull
 
     try:
@@ -94,7 +94,7 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str] | None:
 @click.option("--wait", is_flag=True, help="Show progress until the batch ends; exit 1 unless it completed.")
 def create(redis_url, queue, batch_file, endpoint, window, metadata, priority, wait):
     """Create a batch from an OpenAI batch FILE (JSONL) and print its id."""
-    client = job_commands._client(redis_url, queue)
+    client = options.make_client(redis_url, queue)
     created = create_batch(client, batch_file, endpoint=endpoint, window=window, metadata=_metadata(metadata),
                            priority=priority)
     click.echo(created.id)
@@ -109,7 +109,7 @@ def create(redis_url, queue, batch_file, endpoint, window, metadata, priority, w
 def status(redis_url, batch_id, as_json):
     """Show a batch's status, request counts and times."""
     with batch_errors():
-        found = job_commands._client(redis_url).batch(batch_id)
+        found = options.make_client(redis_url).batch(batch_id)
     if as_json:
         click.echo(found.model_dump_json(indent=1))
         return
@@ -129,7 +129,7 @@ def status(redis_url, batch_id, as_json):
 def list_batches(redis_url, limit, after, as_json):
     """Batches, newest first."""
     with batch_errors():
-        found = job_commands._client(redis_url).batches(after=after, limit=limit)
+        found = options.make_client(redis_url).batches(after=after, limit=limit)
     if as_json:
         click.echo(json.dumps([b.model_dump(mode="json") for b in found], indent=1))
         return
@@ -148,7 +148,7 @@ def list_batches(redis_url, limit, after, as_json):
 def cancel(redis_url, batch_id):
     """Cancel a batch: its queued jobs are dropped, its running ones stopped; finished results stay."""
     with batch_errors():
-        cancelled = job_commands._client(redis_url).cancel_batch(batch_id)
+        cancelled = options.make_client(redis_url).cancel_batch(batch_id)
     click.echo(f"{batch_id}: {cancelled.status}")
 
 
@@ -159,5 +159,5 @@ def cancel(redis_url, batch_id):
 def output(redis_url, batch_id, errors):
     """Print a batch's output file (or error file) as far as it has run, in input order."""
     with batch_errors():
-        for line in job_commands._client(redis_url).batch_output(batch_id, errors=errors):
+        for line in options.make_client(redis_url).batch_output(batch_id, errors=errors):
             click.echo(line, nl=False)

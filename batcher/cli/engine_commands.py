@@ -1,13 +1,49 @@
-"""Commands that drive the engine directly, without Redis: `run` (offline batch) and `bench`."""
+"""Commands that run a model: `worker`, `run` (an offline batch file), `bench` and `demo`.
+
+This is the one CLI module that reaches into `workers/`, and only through `workers.entrypoints`, imported inside
+each command: the light install (no torch) runs every other command.
+"""
 
 from __future__ import annotations
 
 import click
 
-from batcher.cli import main
+from batcher import keys
+from batcher.cli.group import main
 from batcher.cli.options import engine_options, prefix_caching_option, redis_url_option
 from batcher.client import REDIS_URL_ENV
-from batcher.config import EngineConfig
+from batcher.config import DEFAULT_METRICS_ADDR, EngineConfig
+from batcher.jobs import DEFAULT_LEASE_S
+
+
+@main.command()
+@redis_url_option
+@click.option("--queue", "queues", multiple=True, default=[keys.DEFAULT_QUEUE], envvar="BATCHER_QUEUE",
+              show_default=True, help="A queue to serve; repeat it, most urgent first. Each queue's priority "
+                                      "levels 0-9 are served in order.")
+@engine_options
+@click.option("--name", envvar="BATCHER_WORKER_NAME", help="The worker's name in RQ (default: a random id).")
+@click.option("--served-model-name", envvar="BATCHER_SERVED_MODEL_NAME",
+              help="The model name jobs give to run here (default: --model as given). The worker takes jobs "
+                   "that name this model, and jobs that name none.")
+@click.option("--lease", type=click.IntRange(1), default=DEFAULT_LEASE_S, envvar="BATCHER_LEASE_S", show_default=True,
+              help="Seconds a job's lease lasts without a heartbeat: how soon a dead worker's jobs "
+                               "are retried.")
+@click.option("--burst", is_flag=True, help="Exit once the queues are empty and no job is in flight.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="BATCHER_METRICS_PORT",
+              help="Serve Prometheus metrics on this port (off when not given).")
+@click.option("--metrics-addr", default=DEFAULT_METRICS_ADDR, envvar="BATCHER_METRICS_ADDR", show_default=True,
+              help="The address /metrics binds to; 0.0.0.0 to let other hosts scrape it.")
+def worker(redis_url, queues, engine_config, name, served_model_name, lease, burst, metrics_port, metrics_addr):
+    """Serve generation jobs from Redis with continuous batching.
+
+    The first SIGINT/SIGTERM (or RQ's shutdown command) drains: no new jobs, the running ones finish,
+    exit 0. A second one puts the running jobs back at the front of their queues."""
+    from workers import entrypoints
+
+    entrypoints.serve_worker(redis_url, list(queues), engine_config, name=name, served_model_name=served_model_name,
+                             lease_s=lease, burst=burst, metrics_port=metrics_port, metrics_addr=metrics_addr,
+                             announce=lambda line: click.echo(line, err=True))
 
 
 @main.command()
@@ -21,14 +57,12 @@ def run(engine_config, input_path, output_path, print_texts):
     import json
     import sys
 
-    from workers.engine import build_engine
-    from workers.offline import run_batch
+    from workers import entrypoints
 
     lines = input_path.readlines()
-    engine = build_engine(engine_config)
     total = sum(1 for line in lines if line.strip())
     with click.progressbar(length=total, label="generating", file=sys.stderr) as bar:
-        results = run_batch(engine, lines, on_done=lambda: bar.update(1))
+        results = entrypoints.run_file(engine_config, lines, on_done=lambda: bar.update(1))
     for result in results:
         output_path.write(json.dumps(result) + "\n")
     failed = sum(1 for r in results if r["error"])
@@ -41,10 +75,10 @@ def run(engine_config, input_path, output_path, print_texts):
 
 
 def _systems(ctx, param, value):
-    from workers.bench.system import System
+    from workers import entrypoints
 
     try:
-        return [System.parse(s.strip()) for s in value.split(",") if s.strip()] if value else []
+        return [entrypoints.parse_system(s.strip()) for s in value.split(",") if s.strip()] if value else []
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -77,36 +111,28 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
     """
     import json
 
-    from workers.bench.run import run_bench
-    from workers.bench.system import System
-    from workers.bench.workload import load_workload, workload_path
+    from workers import entrypoints
 
-    def as_run(system: System) -> System:
+    def as_run(system):
         """The system as this invocation runs it, after --through and --no-prefix-caching."""
         system = system.via_redis() if through == "redis" else system
         return system if engine_config.prefix_caching else system.without_prefix_caching()
 
-    systems = list(dict.fromkeys(as_run(s) for s in systems or [System("batcher", engine_config.policy)]))
+    default = f"batcher:{engine_config.policy}"
+    systems = list(dict.fromkeys(as_run(s) for s in systems or [entrypoints.parse_system(default)]))
     try:
-        baseline = as_run(System.parse(baseline)) if baseline else systems[0]
+        baseline = as_run(entrypoints.parse_system(baseline)) if baseline else systems[0]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--baseline") from None
     if baseline not in systems:
         raise click.BadParameter(f"{baseline} is not among --systems", param_hint="--baseline")
-    items = load_workload(workload)
-    if any(s.through_redis for s in systems):
-        from batcher.client import connect
-
-        connect(redis_url).ping()  # a Redis that cannot be reached is reported now, not after loading the model
-    report = run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads, redis_url)
+    report = entrypoints.bench(workload, systems, baseline, engine_config, threads, redis_url)
     click.echo(report.table())
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report.to_dict(), f, indent=1)
     if plot_path:
-        from workers.bench.plot import plot_report
-
-        plot_report(report, plot_path)
+        entrypoints.plot(report, plot_path)
     if not report.all_agree:
         click.echo("warning: greedy tokens differ between systems (listed above)", err=True)
 
@@ -123,12 +149,7 @@ DEMO_MAX_NUM_SEQS = 4  # fewer slots than jobs, so the jobs contend for slots as
 @prefix_caching_option
 def demo(redis_url, model, max_num_seqs, compare, prefix_caching):
     """Summarise the bundled documents through Redis and a worker, live, on the bundled model."""
-    from batcher.client import connect
-    from workers.demo import run_demo
-    from workers.embedded_redis import embedded_redis
-    from workers.engine import build_engine
+    from workers import entrypoints
 
-    connection = connect(redis_url) if redis_url else embedded_redis()
-    connection.ping()  # a Redis that cannot be reached is reported now, not after loading the model
-    engine = build_engine(EngineConfig(model=model, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching))
-    run_demo(connection, engine, compare)
+    entrypoints.demo(redis_url, EngineConfig(model=model, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching),
+                     compare)

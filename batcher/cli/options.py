@@ -15,6 +15,15 @@ redis_url_option = click.option(
     help="redis://[:password@]host:port/db, or rediss:// for TLS.")
 queue_option = click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True, help="The queue to submit to.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def make_client(redis_url: str, queue: str = keys.DEFAULT_QUEUE):
+    """The client a command uses (one place, so that tests can put a fake Redis behind every command)."""
+    from batcher.client import Client
+
+    return Client(redis_url, queue=queue)
+
+
 prefix_caching_option = click.option(
     "--prefix-caching/--no-prefix-caching", default=c.DEFAULT_PREFIX_CACHING, envvar="BATCHER_PREFIX_CACHING",
     show_default=True, help="Reuse the KV blocks of prompt prefixes computed before (shared instructions, documents).")

@@ -6,12 +6,18 @@ import os
 
 import click
 
-from batcher.cli import main
+from batcher.cli.group import main
 from batcher.cli.options import queue_option, redis_url_option
 from batcher.client import DEFAULT_MAX_QUEUE_LENGTH
 from batcher.errors import BatcherError
 from batcher.files import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
-from batcher.gateway.defaults import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
+from batcher.gateway.defaults import (
+    API_KEYS_ENV,
+    API_KEYS_FILE_ENV,
+    DEFAULT_HOST,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_PORT,
+)
 
 
 @main.command()
@@ -20,7 +26,7 @@ from batcher.gateway.defaults import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DE
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, envvar="BATCHER_PORT", show_default=True)
 @redis_url_option
 @queue_option
-@click.option("--api-keys-file", type=click.Path(dir_okay=False), envvar="BATCHER_API_KEYS_FILE",
+@click.option("--api-keys-file", type=click.Path(dir_okay=False), envvar=API_KEYS_FILE_ENV,
               help="API keys, one a line (# comments); added to those of $BATCHER_API_KEYS (comma-separated).")
 @click.option("--max-file-bytes", type=click.IntRange(1), default=DEFAULT_MAX_FILE_BYTES, show_default=True,
               envvar="BATCHER_MAX_FILE_BYTES", help="Largest batch input file.")
@@ -41,7 +47,7 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
         from redis.asyncio import Redis as AsyncRedis
 
         from batcher.gateway.app import GatewayConfig, create_app
-        from batcher.gateway.auth import API_KEYS_ENV, ApiKeys, check_bind
+        from batcher.gateway.auth import ApiKeys, check_bind
     except ImportError as exc:
         raise BatcherError(f"`batcher serve` needs the server extra (pip install 'batcher[server]'): {exc}") from None
     from batcher import keys

@@ -21,10 +21,9 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from batcher.errors import BatcherError
+from batcher.gateway.defaults import API_KEYS_ENV
 from batcher.gateway.errors import ApiError
 
-API_KEYS_ENV = "BATCHER_API_KEYS"
-API_KEYS_FILE_ENV = "BATCHER_API_KEYS_FILE"
 TENANT_PREFIX = "key-"
 TENANT_HASH_CHARS = 16
 PROTECTED_PREFIX = "/v1/"  # /health and /metrics stay open for probes and Prometheus

@@ -7,7 +7,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from batcher.batches import DEFAULT_COMPLETION_WINDOW, Batch
+from batcher.batches.model import DEFAULT_COMPLETION_WINDOW, Batch
 from batcher.client import Client
 from batcher.files import FileNotFound, FileStore
 from batcher.gateway.body import read_json

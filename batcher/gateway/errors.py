@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from batcher.batches import BatchInputError, BatchNotFound
+from batcher.batches.model import BatchInputError, BatchNotFound
 from batcher.client import QueueFull
 from batcher.files import FileNotFound, FileTooLarge
 

@@ -16,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from batcher.batches import Batch, BatchStore, batch_of_file
+from batcher.batches.model import Batch, batch_of_file
+from batcher.batches.store import BatchStore
 from batcher.files import (DEFAULT_FILE_RETENTION_S, MAX_FILE_RETENTION_S, MIN_FILE_RETENTION_S, PURPOSES,
                            FileObject, FileStore, FileTooLarge)
 from batcher.gateway.body import BodyReader

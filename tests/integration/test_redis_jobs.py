@@ -24,7 +24,8 @@ from batcher.schema import GenerationRequest, SamplingParams
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
 from workers.engine import build_engine
 from workers.engine_api import RequestError
-from workers.rq_worker import PICKLED_JOB_REASON, BatchWorker
+from batcher.job_life import PICKLED_JOB_REASON
+from workers.worker import JobWorker
 
 pytestmark = [pytest.mark.usefixtures("keep_signal_handlers"), pytest.mark.timeout(300)]
 Q = "it"
@@ -40,12 +41,12 @@ def greedy(max_tokens: int, **request) -> GenerationRequest:
     return GenerationRequest(sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), **request)
 
 
-def make_worker(url: str, engine) -> BatchWorker:
-    return BatchWorker(keys.priority_queue_names([Q]), engine, connection=Redis.from_url(url))
+def make_worker(url: str, engine) -> JobWorker:
+    return JobWorker(keys.priority_queue_names([Q]), engine, connection=Redis.from_url(url))
 
 
 @contextmanager
-def running(worker: BatchWorker):
+def running(worker: JobWorker):
     thread = threading.Thread(target=worker.work, daemon=True)
     thread.start()
     try:
@@ -148,16 +149,26 @@ def test_a_waiting_job_is_admitted_on_the_step_after_a_slot_frees(redis_url, tin
     ids = Client(connection, queue=Q).submit_many(
         [greedy(n, prompt_token_ids=[10 + i, 20 + i, 30 + i]) for i, n in enumerate(lengths)])
     engine = tiny_engine(tiny_model_dir("llama"), max_num_seqs=4)
-    sequences = []
-    add = engine.add
-    engine.add = lambda request_id, request, arrival_time=None: sequences.append(
-        add(request_id, request, arrival_time)) or sequences[-1]
+    added, first, finished = [], {}, {}  # request ids in order; step of the first token; step of the end
+    add, step = engine.add, engine.step
+    engine.add = lambda request_id, request, arrival_time=None: (added.append(request_id),
+                                                                 add(request_id, request, arrival_time))[1]
+
+    def logged_step():
+        index, outputs = engine.step_index, step()
+        for out in outputs:
+            first.setdefault(out.request_id, index)  # 3-token prompts: the step that admits a job samples
+            if out.finished:
+                finished[out.request_id] = (index, len(out.token_ids))
+        return outputs
+
+    engine.step = logged_step
     make_worker(redis_url, engine).work(burst=True)
 
-    assert len(sequences) == 12
-    assert [s.num_output_tokens for s in sequences] == lengths  # admitted in queue order
-    freed = sorted(s.finished_step for s in sequences)
-    starts = [s.first_scheduled_step for s in sequences]
+    assert len(added) == 12
+    assert [finished[r][1] for r in added] == lengths  # admitted in queue order
+    freed = sorted(finished[r][0] for r in added)
+    starts = [first[r] for r in added]
     assert starts[:4] == [0, 0, 0, 0]
     assert starts[4:] == [step + 1 for step in freed[:8]]
     for job_id in ids:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,11 +25,11 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from batcher.client import Client
-from batcher.jobs import JOB_FUNCTION, InvalidJob, request_from_job
+from batcher.job_life import PICKLED_JOB_REASON, InvalidJob, decode_request
+from batcher.jobs import JOB_FUNCTION
 from batcher.schema import MAX_PROMPT_BYTES, MAX_TOKENS_LIMIT
 from tests.jobs_support import wait_for
 from tests.reliability.support import fetch, greedy, prompt_pool, record, reference
-from workers.rq_worker import PICKLED_JOB_REASON
 
 pytestmark = pytest.mark.timeout(600)
 DEFAULT_PAYLOADS = 300
@@ -101,7 +102,7 @@ def expected_reason(kind, args, kwargs, func) -> str | None:
         return PICKLED_JOB_REASON
     try:
         args, kwargs = json.loads(json.dumps([list(args), kwargs]))
-        request_from_job(func, args, kwargs)
+        decode_request(SimpleNamespace(func_name=func, args=args, kwargs=kwargs))
     except InvalidJob as exc:
         return str(exc)
     return None

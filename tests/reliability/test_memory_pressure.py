@@ -1,4 +1,4 @@
-"""Memory pressure: a KV cache far smaller than the jobs' working set. A BatchWorker (real engine,
+"""Memory pressure: a KV cache far smaller than the jobs' working set. A JobWorker (real engine,
 tiny model) finishes every job through preemption and recompute, with the reference tokens."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from batcher.client import Client
 from tests.engine_helpers import engine_for
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
 from tests.reliability.support import RedisServer, greedy, prompt_pool, record, reference
-from workers.rq_worker import BatchWorker
+from workers.worker import JobWorker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("keep_signal_handlers")]
 NUM_BLOCKS, BLOCK_SIZE, MAX_TOKENS = 6, 16, 48
@@ -36,7 +36,7 @@ def test_jobs_finish_through_preemption_with_a_tiny_kv_cache(tiny_model_dir, tmp
         ids = client.submit_many([greedy(MAX_TOKENS, prompt_token_ids=p) for p in prompts])
         engine = engine_for(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=16)
         preempted = []
-        worker = BatchWorker(keys.priority_queue_names(["pressure"]), engine, connection=server.connection(),
+        worker = JobWorker(keys.priority_queue_names(["pressure"]), engine, connection=server.connection(),
                              on_step=lambda w, _: preempted.append(w.engine.last_step.num_preempted))
         assert worker.work(burst=True)
         working_set = sum(len(p) + MAX_TOKENS for p in prompts)

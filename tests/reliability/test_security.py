@@ -26,7 +26,7 @@ from batcher.schema import MAX_PROMPT_BYTES, MAX_PROMPT_TOKEN_IDS, MAX_TOKENS_LI
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.reliability.support import RedisServer, fetch, free_port, record
-from workers.rq_worker import BatchWorker
+from workers.worker import JobWorker
 
 pytestmark = pytest.mark.timeout(300)
 SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
@@ -82,10 +82,10 @@ def acl_redis(tmp_path_factory):
 
 
 def run_one_job_in_process(url: str, queue: str) -> None:
-    """A client and a BatchWorker (fake engine, so no model) on `url`: one job end to end."""
+    """A client and a JobWorker (fake engine, so no model) on `url`: one job end to end."""
     client = Client(url, queue=queue)
     job_id = client.submit({"prompt": "hi", "sampling": {"max_tokens": 3}})
-    worker = BatchWorker(keys.priority_queue_names([queue]), FakeEngine(), connection=connect(url))
+    worker = JobWorker(keys.priority_queue_names([queue]), FakeEngine(), connection=connect(url))
     assert worker.work(burst=True)
     assert client.result(job_id, timeout=30).text == expected_text(3)
 
@@ -119,7 +119,7 @@ def test_a_job_id_with_key_syntax_in_redis_is_dropped_and_reaches_no_other_key(a
     admin.rpush(queue.key, evil.id)
     good = queue.enqueue(JOB_FUNCTION, {"prompt": "hi", "sampling": {"max_tokens": 2}})
     url = f"redis://{ACL_USER}:{ACL_PASSWORD}@127.0.0.1:{acl_redis.port}/0"
-    BatchWorker(keys.priority_queue_names(["inject"]), FakeEngine(), connection=connect(url)).work(burst=True)
+    JobWorker(keys.priority_queue_names(["inject"]), FakeEngine(), connection=connect(url)).work(burst=True)
     assert fetch(admin, good.id).get_status() == JobStatus.FINISHED
     assert not admin.keys("batcher:stream:x*") and not admin.exists("rq:queue:other")
     assert admin.llen(queue.key) == 0 and admin.llen(queue.intermediate_queue_key) == 0

@@ -4,7 +4,8 @@
 
 Runs against a redis-server of its own (started on a free loopback port, no persistence), so the
 memory figures hold nothing else. No model runs: each job's end is recorded the way the worker does
-it, one MULTI transaction per job, with and without `record_job_end`, so the difference is the cost
+it, one MULTI transaction per job, with and without its batch outcome (`batcher.batches.lines.record_outcome_on`),
+so the difference is the cost
 of the counts, the lines and the feed entries.
 """
 
@@ -25,9 +26,9 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from batcher import keys
-from batcher.batches import record_job_end
+from batcher.batches.lines import record_outcome_on
 from batcher.client import Client
-from batcher.jobs import request_from_job
+from batcher.job_life import decode_request
 from batcher.schema import GenerationRequest, GenerationResult, Usage
 
 PROMPT_WORDS = 40  # about 250 bytes of prompt per line
@@ -94,7 +95,7 @@ def _record_each(connection: Redis, batch_id: str, requests: list[GenerationRequ
             pipe.multi()
             pipe.hset(f"bench:result:{job_id}", mapping={"status": "finished", "return_value": "..."})
             if with_batch:
-                record_job_end(pipe, job_id=job_id, queue="bench", status="finished", request=request, result=result)
+                record_outcome_on(pipe, job_id=job_id, queue="bench", status="finished", request=request, result=result)
             pipe.execute()
     return time.perf_counter() - started
 
@@ -124,7 +125,7 @@ def run(lines: int) -> dict:
 
         jobs = Job.fetch_many([keys.batch_job_id(batch.id, i) for i in range(lines)], connection,
                               serializer=JSONSerializer)
-        requests = [request_from_job(job.func_name, job.args, job.kwargs) for job in jobs]
+        requests = [decode_request(job) for job in jobs]
         result = GenerationResult(text="word " * RESULT_TOKENS, token_ids=list(range(RESULT_TOKENS)),
                                   finish_reason="length", usage=Usage(prompt_tokens=60, completion_tokens=RESULT_TOKENS),
                                   model="smollm2")

@@ -15,17 +15,14 @@
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from workers.bench.record import SystemRun
-from workers.bench.roofline import Roofline
+from workers.bench.roofline import ModelCost, Roofline
 from workers.bench.workload import WorkloadRequest
 
-PROBE_SIZE = 1024  # square matmul in the run's dtype: large enough to run at the CPU's peak, yet ~5-30 ms
-PROBE_REPEATS = 10
 MB = 1 << 20
 
 
@@ -38,46 +35,6 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
     return {"p50": at(0.50), "p99": at(0.99), "max": ordered[-1]}
-
-
-def matmul_probe(dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
-    """The best FLOP/s of a square matmul here and now: the ceiling the model's matmuls could reach."""
-    a = torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype, device=device)
-    b = torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype, device=device)
-    best = float("inf")
-    for _ in range(PROBE_REPEATS + 1):
-        started = time.perf_counter()
-        (a @ b).sum().item()  # .item() waits for the device
-        best = min(best, time.perf_counter() - started)
-    return 2 * PROBE_SIZE**3 / best
-
-
-@dataclass(frozen=True)
-class ModelCost:
-    """FLOPs of one token: weights (2 per multiply-add) plus attention over its context."""
-
-    matmul_params: int  # every weight matrix a token goes through, except the embeddings and the LM head
-    head_params: int  # the LM head, which runs only on tokens that sample
-    attention_flops_per_key: int  # QK^T and PV over all layers, per key in the context
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelCost:
-        config = model.config.get_text_config()
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-        head = model.get_output_embeddings().weight
-        matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings and p is not head]
-        return cls(matmul_params=sum(p.numel() for p in matrices), head_params=head.numel(),
-                   attention_flops_per_key=4 * config.num_hidden_layers * heads * head_dim)
-
-    def request_flops(self, prompt_len: int, generated: int, cached: int = 0) -> int:
-        """A request's useful FLOPs: every token but the last one is fed through the model once, except the
-        first `cached`, whose keys and values came from the prefix cache."""
-        fed = prompt_len + generated - 1
-        keys = fed * (fed + 1) // 2 - cached * (cached + 1) // 2  # token i attends to i + 1 keys
-        return (2 * self.matmul_params * (fed - cached) + 2 * self.head_params * generated
-                + self.attention_flops_per_key * keys)
 
 
 @dataclass

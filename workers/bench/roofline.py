@@ -1,6 +1,6 @@
 """The roofline of `batcher bench`: the shortest wall time any system could run a workload in, on this device.
 
-Measured in the run's process and dtype: the matmul peak (`report.matmul_probe`) and the memory's read
+Measured in the run's process and dtype: the matmul peak (`matmul_probe`) and the memory's read
 bandwidth (`read_bandwidth`). From them and the workload, a lower bound on the run's wall time:
 
 - decode steps: every scheduler needs at least as many steps as the longest output, and at least the
@@ -18,16 +18,14 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from batcher.schema import GenerationRequest, SamplingParams
 from workers.bench.workload import WorkloadRequest, shared_prefix_lengths
 
-if TYPE_CHECKING:
-    from workers.bench.report import ModelCost
-
+PROBE_SIZE = 1024  # square matmul in the run's dtype: large enough to run at the CPU's peak, yet ~5-30 ms
+PROBE_REPEATS = 10
 READ_PROBE_BYTES = 512 << 20  # larger than any CPU's last-level cache: the probe reads memory, not cache
 READ_PROBE_REPEATS = 5
 DECODE_PROBE_STEPS = 12  # decode steps of one lone sequence timed after a batcher run
@@ -50,6 +48,46 @@ def read_bandwidth(device: str = "cpu") -> float:
         (matrix @ vector).sum().item()  # .item() waits for the device
         best = min(best, time.perf_counter() - started)
     return READ_PROBE_BYTES / best
+
+
+def matmul_probe(dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+    """The best FLOP/s of a square matmul here and now: the ceiling the model's matmuls could reach."""
+    a = torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype, device=device)
+    b = torch.randn(PROBE_SIZE, PROBE_SIZE, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(PROBE_REPEATS + 1):
+        started = time.perf_counter()
+        (a @ b).sum().item()  # .item() waits for the device
+        best = min(best, time.perf_counter() - started)
+    return 2 * PROBE_SIZE**3 / best
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """FLOPs of one token: weights (2 per multiply-add) plus attention over its context."""
+
+    matmul_params: int  # every weight matrix a token goes through, except the embeddings and the LM head
+    head_params: int  # the LM head, which runs only on tokens that sample
+    attention_flops_per_key: int  # QK^T and PV over all layers, per key in the context
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelCost:
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        head = model.get_output_embeddings().weight
+        matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings and p is not head]
+        return cls(matmul_params=sum(p.numel() for p in matrices), head_params=head.numel(),
+                   attention_flops_per_key=4 * config.num_hidden_layers * heads * head_dim)
+
+    def request_flops(self, prompt_len: int, generated: int, cached: int = 0) -> int:
+        """A request's useful FLOPs: every token but the last one is fed through the model once, except the
+        first `cached`, whose keys and values came from the prefix cache."""
+        fed = prompt_len + generated - 1
+        keys = fed * (fed + 1) // 2 - cached * (cached + 1) // 2  # token i attends to i + 1 keys
+        return (2 * self.matmul_params * (fed - cached) + 2 * self.head_params * generated
+                + self.attention_flops_per_key * keys)
 
 
 @dataclass(frozen=True)

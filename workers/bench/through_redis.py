@@ -1,4 +1,4 @@
-"""`batcher bench` through Redis: the same workload submitted as jobs, served by a BatchWorker.
+"""`batcher bench` through Redis: the same workload submitted as jobs, served by a JobWorker.
 
 The worker runs in a thread of this process on the real Redis (`--redis-url`), on a queue of its own,
 and the requests are submitted at their arrival times. A token counts when a reader of the job
@@ -19,7 +19,7 @@ from batcher.schema import StreamEvent
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.workload import WorkloadRequest
 from workers.engine import Engine
-from workers.rq_worker import BatchWorker
+from workers.worker import JobWorker
 
 READ_BLOCK_MS = 100
 RESULT_TIMEOUT_S = 3600
@@ -62,7 +62,7 @@ def run_batcher_redis(engine: Engine, workload: list[WorkloadRequest], name: str
         run.steps.append((time.perf_counter() - start, engine.last_step.num_seqs))
         run.preemptions += engine.last_step.num_preempted
 
-    worker = BatchWorker([queue], engine, connection=connection, name=queue, on_step=on_step)
+    worker = JobWorker([queue], engine, connection=connection, name=queue, on_step=on_step)
     serving = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
     submitted = threading.Event()
     with PeakRss() as rss:

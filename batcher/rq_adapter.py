@@ -1,35 +1,41 @@
-"""Every use of RQ's internals, in one place (pinned rq>=2.12,<3).
+"""Every use of RQ's internals and registries, in one place (pinned rq>=2.12,<3).
 
 RQ's worker runs one job at a time; a batcher worker runs many at once, as RQ Executions of their own.
 That needs RQ's private members and its one-job assumptions, and RQ 3 changes exactly these (executions
 become a dict, the handlers take `execution=`): moving to it should be a change to this file alone.
-The facts this module relies on are in docs/rq-internals.md.
+The core reads and writes RQ's registries too (queue counts, requeueing failed jobs, cancelling a batch's
+jobs, stopping running ones); those calls are here as well, so this module lives in the core, where both
+the core and the worker import it (it needs rq and redis only). The facts it relies on are in
+docs/rq-internals.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import redis
 from redis import Redis
 from rq import worker_registration
-from rq.command import handle_command, parse_payload
+from rq.command import handle_command, parse_payload, send_shutdown_command, send_stop_job_command
 from rq.defaults import DEFAULT_FAILURE_TTL
-from rq.exceptions import DequeueTimeout, DeserializationError, NoSuchJobError
+from rq.exceptions import DequeueTimeout, DeserializationError, InvalidJobOperation, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.registry import clean_registries
+from rq.registry import FailedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import WORKERS_SUSPENDED
 from rq.utils import get_version, now
 from rq.worker import BaseWorker, WorkerStatus
 
-# The worker module takes RQ's public names from here too, so that it never imports rq itself.
-__all__ = ["BaseBatchWorker", "DeserializationError", "Execution", "Job", "NoSuchJobError", "Queue",
-           "WORKERS_SUSPENDED", "WorkerStatus", "get_version", "pin_server_version"]
+# The worker's modules take RQ's public names from here too, so that they never import rq themselves.
+__all__ = ["BaseJobWorker", "DeserializationError", "Execution", "InvalidJobOperation", "Job", "JobStatus",
+           "NoSuchJobError", "Queue", "WORKERS_SUSPENDED", "WorkerStatus", "get_version", "pin_server_version",
+           "failure_ttl", "rq_queue", "registry_counts", "requeue_failed_jobs", "cancel_taken_on", "held_job_ids", "stop_job",
+           "shut_down_worker"]
 
 SERVER_VERSION_ATTR = "__rq_redis_server_version"  # where RQ caches the server version it read with INFO
 # How long RQ's started registry believes a batcher execution lasts without a renewal. Batcher's own lease
@@ -52,10 +58,10 @@ def pin_server_version(connection: Redis, version: tuple[int, int, int]) -> None
     setattr(connection, SERVER_VERSION_ATTR, version)
 
 
-class BaseBatchWorker(BaseWorker):
+class BaseJobWorker(BaseWorker):
     """The RQ side of a worker with many jobs in flight: reliable dequeue, one Execution per job, result
     recording through RQ's handlers one job at a time, leases in the started registries, maintenance under
-    a short lock, and RQ's commands. `workers.rq_worker.BatchWorker` builds its loop on these."""
+    a short lock, and RQ's commands. `workers.worker.JobWorker` builds its loop on these."""
 
     def __init__(self, queues: list[str], *, connection: Redis, name: str | None, lease_s: int,
                  maintenance_interval: int) -> None:
@@ -145,9 +151,9 @@ class BaseBatchWorker(BaseWorker):
             self.connection.delete(intermediate.get_first_seen_key(job_id))
         return moved
 
-    def drop_taken(self, queue: Queue, job_id: str) -> None:
-        """Forget a taken job that nothing can run (deleted meanwhile, or unreadable)."""
-        self.connection.lrem(queue.intermediate_queue_key, 1, job_id)
+    def drop_taken(self, queue: Queue, job_id: str, pipe=None) -> None:
+        """Forget a taken job that nothing can run (deleted meanwhile, unreadable, or a duplicate), now or on `pipe`."""
+        (self.connection if pipe is None else pipe).lrem(queue.intermediate_queue_key, 1, job_id)
 
     def start_on(self, pipe, job: Job, queue: Queue) -> Execution:
         """Queue, on a MULTI pipeline, what starts `job` as an Execution of this worker.
@@ -171,9 +177,6 @@ class BaseBatchWorker(BaseWorker):
     def result_ttl(self, job: Job) -> int:
         return job.get_result_ttl(self.default_result_ttl)
 
-    @staticmethod
-    def failure_ttl(job: Job) -> int:
-        return job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
 
     # ----- ending a job: what RQ's handlers write, queued on the caller's transaction -----
     def success_on(self, pipe, job: Job, queue: Queue, execution: Execution, return_value: dict) -> None:
@@ -235,3 +238,64 @@ class BaseBatchWorker(BaseWorker):
         finally:
             if held:
                 queue.release_maintenance_lock()
+
+
+# ----- what the core does with RQ's registries and commands (admin, batches, cancel) -----
+def failure_ttl(job: Job) -> int:
+    """How long a job's failure (and its stream) stays readable: its own setting, else RQ's default."""
+    return job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
+
+
+def rq_queue(name: str, connection: Redis) -> Queue:
+    """An RQ queue of batcher jobs (JSON serializer)."""
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def registry_counts(queue: Queue) -> tuple[int, int, int]:
+    """(started, failed, finished) jobs of a queue, as RQ's registries count them."""
+    return queue.started_job_registry.count, queue.failed_job_registry.count, queue.finished_job_registry.count
+
+
+def requeue_failed_jobs(queue: Queue) -> list[str]:
+    """Put every job of the queue's failed registry back on the queue; return their ids."""
+    registry = FailedJobRegistry(queue=queue, serializer=JSONSerializer)
+    job_ids = registry.get_job_ids()
+    for job_id in job_ids:
+        registry.requeue(job_id)
+    return job_ids
+
+
+def cancel_taken_on(pipe, queue: Queue, job_ids: Iterable[str]) -> None:
+    """Queue, for jobs just taken out of `queue`'s list, what RQ's cancel records: the status and the
+    canceled registry."""
+    for job_id in job_ids:
+        job = Job(job_id, connection=queue.connection, serializer=JSONSerializer)
+        job.set_status(JobStatus.CANCELED, pipeline=pipe)
+        queue.canceled_job_registry.add(job, pipeline=pipe)
+
+
+def held_job_ids(connection: Redis, queues: list[Queue], prefix: str) -> tuple[set[str], set[str]]:
+    """The ids starting with `prefix` of the jobs a worker holds on these queues: (taken from the queue but not
+    started yet, started)."""
+    with connection.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.lrange(queue.intermediate_queue_key, 0, -1)
+        taken = {_text(j) for ids in pipe.execute() for j in ids if _text(j).startswith(prefix)}
+    started = {job_id for queue in queues for job_id in queue.started_job_registry.get_job_ids(cleanup=False)
+               if job_id.startswith(prefix)}
+    return taken, started
+
+
+def stop_job(connection: Redis, job_id: str) -> None:
+    """RQ's stop-job command to whichever worker runs the job; nothing if it is not running (any more)."""
+    with contextlib.suppress(InvalidJobOperation, NoSuchJobError):
+        send_stop_job_command(connection, job_id, serializer=JSONSerializer)
+
+
+def shut_down_worker(connection: Redis, name: str) -> None:
+    """RQ's shutdown command: the worker drains (stops admitting, finishes its jobs) and exits."""
+    send_shutdown_command(connection, name)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

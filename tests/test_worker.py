@@ -1,4 +1,4 @@
-"""BatchWorker's whole RQ lifecycle on fakeredis, with a fake engine: admission, executions, streams,
+"""JobWorker's whole RQ lifecycle on fakeredis, with a fake engine: admission, executions, streams,
 results, failures, stop-job, timeouts, drain, requeue, leases and recovery."""
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from batcher.jobs import JOB_FUNCTION
 from batcher.schema import GenerationRequest, StreamEvent
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
-from workers.rq_worker import PICKLED_JOB_REASON, BatchWorker
+from batcher.job_life import PICKLED_JOB_REASON
+from workers.worker import JobWorker
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 Q = "w"
 
 
-def make_worker(connection, engine=None, **kwargs) -> BatchWorker:
-    return BatchWorker(keys.priority_queue_names([Q]), engine or FakeEngine(), connection=connection, **kwargs)
+def make_worker(connection, engine=None, **kwargs) -> JobWorker:
+    return JobWorker(keys.priority_queue_names([Q]), engine or FakeEngine(), connection=connection, **kwargs)
 
 
 def events(connection, job_id) -> list[StreamEvent]:
@@ -136,15 +137,18 @@ def test_every_bad_job_fails_alone_with_a_readable_reason(fake_redis):
 def test_stop_job_aborts_a_running_job_within_one_step(fake_redis):
     client = Client(fake_redis, queue=Q)
     victim, other = client.submit_many([request(max_tokens=50), request(max_tokens=6)])
-    at_stop = {}
+    at_stop, heard = {}, threading.Event()
 
     def on_step(worker, outputs):
         if worker.engine.step_index == 2:
             send_stop_job_command(fake_redis, victim, serializer=JSONSerializer)
-            wait_for(lambda: victim in worker.pending_stop_requests, 5, "the stop-job command to arrive")
+            wait_for(heard.is_set, 5, "the stop-job command to arrive")
             at_stop["tokens"] = worker.engine.step_index
 
-    make_worker(fake_redis, on_step=on_step).work(burst=True)
+    worker = make_worker(fake_redis, on_step=on_step)
+    request_stop = worker.jobs.request_stop
+    worker.jobs.request_stop = lambda job_id: (request_stop(job_id), heard.set())  # what RQ's command thread calls
+    worker.work(burst=True)
     job = fetch(fake_redis, victim)
     assert job.get_status() == JobStatus.STOPPED
     assert victim in FailedJobRegistry(Q, connection=fake_redis)
@@ -291,14 +295,14 @@ def test_lease_keeper_extends_leases_while_the_engine_is_busy(fake_redis):
     assert scores and client.result(job_id, timeout=10).text == expected_text(2)
 
 
-def test_hooks_give_an_ops_layer_every_sequence_step_and_end(fake_redis):
+def test_hooks_give_an_ops_layer_every_step_and_end(fake_redis):
     ids = Client(fake_redis, queue=Q).submit_many([request(max_tokens=3), request(max_tokens=1),
                                                   request(prompt="too long")])
-    added, steps, ends = [], [], []
-    make_worker(fake_redis, on_added=lambda w, seq: added.append(seq.sampling.max_tokens),
+    engine, steps, ends = FakeEngine(), [], []
+    make_worker(fake_redis, engine,
                 on_step=lambda w, outs: steps.append((w.num_in_flight, len(outs), dict(w.queue_depths))),
                 on_job_end=lambda w, end: ends.append(end)).work(burst=True)
-    assert added == [3, 1]
+    assert len(engine.added) == 2  # the one too long is refused by the engine
     assert [s[:2] for s in steps] == [(1, 2), (1, 1), (0, 1)]
     assert steps[0][2] == {name: 3 if name == Q else 0 for name in keys.priority_queue_names([Q])}  # as read
     assert [(e.job_id, e.status) for e in ends] == [(ids[2], "failed"), (ids[1], "finished"), (ids[0], "finished")]
@@ -343,7 +347,7 @@ def test_a_batch_and_the_feed_are_written_in_the_transaction_that_records_each_r
 def test_a_worker_takes_jobs_for_its_model_and_jobs_for_any_model_but_not_another_models(fake_redis):
     client = Client(fake_redis, queue=Q)
     mine, anyone, other = client.submit_many([request(model="m1"), request(), request(model="m2")])
-    worker = BatchWorker(keys.priority_queue_names([Q], model="m1"), FakeEngine(), connection=fake_redis,
+    worker = JobWorker(keys.priority_queue_names([Q], model="m1"), FakeEngine(), connection=fake_redis,
                          model_name="m1")
     worker.work(burst=True)
     assert client.result(mine, timeout=5).model == "m1" and client.result(anyone, timeout=5).model == "m1"

@@ -1,4 +1,4 @@
-"""The Lua scripts behind batcher/batches.py: each runs atomically in Redis, and `settle` (in several of them)
+"""The Lua scripts behind batcher/batches/: each runs atomically in Redis, and `settle` (in several of them)
 ends a batch once every one of its lines is written.
 
 Scripts run with EVAL (`run`), not EVALSHA: redis-py would send SCRIPT EXISTS before every pipeline, and an

@@ -1,0 +1,170 @@
+"""Admission: while the engine has free slots, take jobs from the queues (most urgent first) and start them.
+
+Each taken job goes through RQ's reliable dequeue (LMOVE into the queue's intermediate list), is fetched,
+started as its own RQ Execution under a lease (one transaction for all jobs taken together), decoded, checked
+against its deadline and its cancel flag, and handed to the engine. A job that cannot run ends at once with a
+readable reason. A busy worker rescans the queues at most every BUSY_RESCAN_S; an idle one blocks on Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+
+from batcher import keys
+from batcher.job_life import TERMINAL_STATUSES, InvalidJob, decode_request
+from batcher.redis_retry import REDIS_ERRORS
+from batcher.rq_adapter import WORKERS_SUSPENDED, BaseJobWorker, Execution, Job, Queue, failure_ttl
+from batcher.schema import GenerationRequest
+from workers.engine_api import EngineProtocol, RequestError
+from workers.in_flight import InFlight, InFlightJobs
+from workers.leases import claim_on, fenced
+from workers.streams import StreamWriter
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 1  # the longest an idle worker blocks on Redis (or waits while suspended)
+BUSY_RESCAN_S = 0.02  # a busy worker that found nothing to admit looks again after this long, not every step
+CANCELLED_BEFORE_START = "cancelled before it started"
+
+
+class Admission:
+    """Takes and starts jobs for one worker; remembers what it last read of the queues."""
+
+    def __init__(self, worker: BaseJobWorker, engine: EngineProtocol, jobs: InFlightJobs,
+                 streams: StreamWriter) -> None:
+        self.worker, self.engine, self.jobs, self.streams = worker, engine, jobs, streams
+        self.queue_depths: dict[str, int] = {}  # queue lengths, as last read
+        self.suspended = False  # `rq suspend` is on, as last read: nothing is admitted
+        self.queues_empty = False
+        self._next_scan = 0.0  # time.monotonic() of the next scan while busy
+
+    def admit(self, block: bool) -> list[InFlight]:
+        """Take as many jobs as the engine has free slots for (waiting up to IDLE_WAIT_S for one if `block`),
+        start them, and return them: each is in the engine, or has already ended."""
+        free = self.engine.free_slots
+        if free <= 0 or (self.engine.has_work() and time.monotonic() < self._next_scan):
+            return []
+        worker = self.worker
+        with worker.connection.pipeline(transaction=False) as pipe:
+            pipe.exists(WORKERS_SUSPENDED)
+            for queue in worker.queues:
+                pipe.llen(queue.key)
+            suspended, *lengths = pipe.execute()
+        self.queue_depths = {queue.name: n for queue, n in zip(worker.queues, lengths)}
+        self._next_scan = time.monotonic() + BUSY_RESCAN_S
+        self.suspended = bool(suspended)
+        self.queues_empty = self.suspended or not any(lengths)
+        if self.suspended:  # `rq suspend`: admit nothing; the jobs in flight go on
+            if block:
+                self.jobs.wait(IDLE_WAIT_S)
+            return []
+        taken: list[tuple[Job, Queue]] = []
+        for queue, length in zip(worker.queues, lengths):
+            if length and len(taken) < free:
+                ids = worker.take(queue, min(length, free - len(taken)))
+                taken += [(job, queue) for job in self._readable(queue, ids)]
+        if not taken and block:
+            taken += self._wait_for_job(worker.queues[0])
+        if not taken:
+            return []
+        self._next_scan = 0.0  # there may be more: look again before the next step
+        return self._start(taken)
+
+    def _readable(self, queue: Queue, job_ids: list[str]) -> list[Job]:
+        """The jobs RQ can load; an id whose job was deleted meanwhile, or is unreadable, is dropped."""
+        jobs = []
+        for job_id, job in zip(job_ids, self._fetch(job_ids)):
+            if job is None:
+                self.worker.drop_taken(queue, job_id)
+            else:
+                jobs.append(job)
+        return jobs
+
+    def _fetch(self, job_ids: list[str]) -> list[Job | None]:
+        worker = self.worker
+        try:
+            return worker.job_class.fetch_many(job_ids, connection=worker.connection, serializer=worker.serializer)
+        except REDIS_ERRORS:
+            raise  # not the jobs' fault: they stay in the intermediate list, which recovery requeues
+        except Exception:  # one unreadable hash fails the whole batch: read them one by one
+            jobs = []
+            for job_id in job_ids:
+                try:
+                    jobs.append(worker.job_class.fetch(job_id, connection=worker.connection,
+                                                       serializer=worker.serializer))
+                except REDIS_ERRORS:
+                    raise
+                except Exception as exc:
+                    log.error("dropping job %s: RQ cannot read it: %s", job_id, exc)
+                    jobs.append(None)
+            return jobs
+
+    def _wait_for_job(self, queue: Queue) -> list[tuple[Job, Queue]]:
+        try:
+            job = self.worker.wait_for_job(queue, IDLE_WAIT_S)
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:  # a hash RQ cannot read: nothing can run it
+            log.error("dropping job %s: RQ cannot read it: %s", getattr(exc, "job_id", None), exc)
+            if getattr(exc, "job_id", None):
+                self.worker.drop_taken(queue, exc.job_id)
+            return []
+        return [(job, queue)] if job else []
+
+    def _start(self, taken: list[tuple[Job, Queue]]) -> list[InFlight]:
+        """Start every taken job as its own Execution under a lease (one transaction), then hand it to the
+        engine. A job another execution holds (a duplicate queue entry) or that already ended is only dropped."""
+        worker = self.worker
+        started: list[tuple[Job, Queue, Execution, int]] = []
+
+        def build(pipe, holders: list[str | None]) -> None:
+            started.clear()
+            pipe.multi()
+            for (job, queue), holder in zip(taken, holders):
+                if holder is not None or job.get_status(refresh=False) in TERMINAL_STATUSES:
+                    log.warning("job %s is %s; dropping a duplicate of it from queue %s", job.id,
+                                "leased by another execution" if holder else "over", queue.name)
+                    worker.drop_taken(queue, job.id, pipe)
+                    continue
+                execution = worker.start_on(pipe, job, queue)
+                claim_on(pipe, job.id, execution.id, queue.name, worker.lease_s)
+                started.append((job, queue, execution, len(pipe)))
+                pipe.exists(keys.cancel_key(job.id))
+                pipe.xrevrange(keys.stream_key(job.id), count=1)
+
+        replies = fenced(worker.connection, [job.id for job, _ in taken], build)
+        admitted_at = time.monotonic()
+        admitted = []
+        for job, queue, execution, at in started:
+            f = InFlight(job, queue, execution, admitted_at, worker.result_ttl(job), failure_ttl(job))
+            cancelled, top = replies[at], replies[at + 1]
+            self.streams.begin(job.id, execution.id, top[0][0] if top else None, f.result_ttl)
+            admitted.append(f)
+            self._hand_over(f, cancelled)
+        return admitted
+
+    def _hand_over(self, f: InFlight, cancelled: bool) -> None:
+        """Decode a started job and add it to the engine; or end it at once with the reason it cannot run."""
+        try:
+            request = f.request = decode_request(f.job)
+            if cancelled:
+                f.ended("stopped", reason=CANCELLED_BEFORE_START)
+                return
+            _check_deadline(request)
+            self.engine.add(f.id, request, arrival_time=f.admitted_at)
+            if request.timeout_s is not None:
+                f.timeout_at = f.admitted_at + request.timeout_s
+        except (InvalidJob, RequestError) as exc:
+            f.ended("failed", reason=str(exc))
+        except Exception as exc:  # one bad job must not take the worker down
+            log.exception("job %s could not be admitted", f.job.id)
+            f.ended("failed", reason=f"{type(exc).__name__}: {exc}")
+
+
+def _check_deadline(request: GenerationRequest) -> None:
+    if request.deadline is not None:
+        deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
+        if datetime.now(timezone.utc) > deadline:
+            raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
