@@ -18,7 +18,7 @@ from batcher.rq_adapter import Job, Queue, rq_queue
 from batcher.schema import GenerationRequest
 
 DEFAULT_RESULT_TTL_S = 24 * 3600  # how long a result (and its stream) stays readable
-DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure stays in the FailedJobRegistry
+DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure (its reason, its stream) stays readable
 DEFAULT_QUEUE_TTL_S = 24 * 3600  # the longest a job may wait in the queue before RQ drops it
 DEFAULT_MAX_QUEUE_LENGTH = 100_000  # refuse to enqueue beyond this many waiting jobs in one queue
 DESCRIPTION_CHARS = 60

@@ -204,3 +204,13 @@ def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
     first = run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"]
     model.generation_config.eos_token_id = first[0]
     assert run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"] == first
+
+
+def test_the_job_rate_bench_runs_every_job_through_a_real_worker():
+    from workers.bench.job_rate import QUEUE, rate
+    from workers.bench.private_redis import private_redis
+
+    with private_redis() as connection:
+        assert rate(connection, jobs=40, tokens=3, slots=8) > 0
+        finished = connection.zcard(f"rq:finished:{QUEUE}")
+        assert finished == 40 and connection.llen(f"rq:queue:{QUEUE}") == 0

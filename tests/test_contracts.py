@@ -1,12 +1,17 @@
-"""Contracts shared by two components, each written once: the worker stats hash and the Redis backoff."""
+"""Contracts shared by two components, each written once: the worker stats hash, the Redis backoff, and what a
+client of one release reads of a worker of the next."""
 
+import json
 import time
 
 import pytest
+from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from batcher import keys
+from batcher.batches.model import Batch
 from batcher.redis_retry import FIRST_DELAY_S, MAX_DELAY_S, Backoff, retry_while_unreachable
+from batcher.schema import GenerationRequest, GenerationResult, SamplingParams, StreamEvent
 from batcher.worker_stats import WorkerStats
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
@@ -52,3 +57,24 @@ def test_retry_while_unreachable_retries_then_gives_up_at_the_deadline(monkeypat
 
     with pytest.raises(RedisConnectionError):
         retry_while_unreachable(down, deadline=time.monotonic())
+
+
+def test_what_clients_read_ignores_fields_a_newer_worker_adds_and_requests_stay_strict():
+    """A rolling upgrade: workers of the next release write results, events and batches with fields this one does
+    not know; this release's clients still read them. What producers send is still checked strictly."""
+    newer = {"text": "hi", "token_ids": [1], "finish_reason": "stop", "logprobs": [-0.5],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 2, "reasoning_tokens": 0},
+             "timings": {"queue_s": 0.1, "prefill_s": 0.2}}
+    result = GenerationResult.model_validate(newer)
+    assert (result.usage.cached_tokens, result.timings.queue_s) == (2, 0.1)
+    event = StreamEvent.model_validate_json(json.dumps({"type": "token", "text": "a", "choice": 1}))
+    assert event.text == "a"
+    batch = Batch.from_hash({"id": "batch_1", "endpoint": "/v1/completions", "completion_window": "24h",
+                             "status": "in_progress", "created_at": "1", "expires_at": "2", "queue": "q",
+                             "service_tier": "flex"})
+    assert batch.status == "in_progress"
+    assert Batch.model_validate(batch.model_dump() | {"service_tier": "flex"}) == batch
+    with pytest.raises(ValidationError, match="extra"):
+        GenerationRequest.model_validate({"prompt": "hi", "temprature": 0})
+    with pytest.raises(ValidationError, match="extra"):
+        SamplingParams.model_validate({"max_tokens": 3, "top_kk": 2})

@@ -2,8 +2,7 @@
 
     python -m workers.bench.batches --lines 10000
 
-Runs against a redis-server of its own (started on a free loopback port, no persistence), so the
-memory figures hold nothing else. No model runs: each job's end is recorded the way the worker does
+Runs against a redis-server of its own (`workers.bench.private_redis`), so the memory figures hold nothing else. No model runs: each job's end is recorded the way the worker does
 it, one MULTI transaction per job, with and without its batch outcome (`batcher.batches.lines.record_outcome_on`),
 so the difference is the cost
 of the counts, the lines and the feed entries.
@@ -12,12 +11,7 @@ of the counts, the lines and the feed entries.
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import click
 from redis import Redis
@@ -30,16 +24,11 @@ from batcher.batches.lines import record_outcome_on
 from batcher.client import Client
 from batcher.job_life import decode_request
 from batcher.schema import GenerationRequest, GenerationResult, Usage
+from workers.bench.private_redis import private_redis
 
 PROMPT_WORDS = 40  # about 250 bytes of prompt per line
 MAX_TOKENS = 64
 RESULT_TOKENS = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch_lines(n: int) -> list[str]:
@@ -101,18 +90,7 @@ def _record_each(connection: Redis, batch_id: str, requests: list[GenerationRequ
 
 
 def run(lines: int) -> dict:
-    directory = Path(tempfile.mkdtemp(prefix="bench-batches-"))
-    port = _free_port()
-    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                               "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
-    try:
-        connection = Redis(port=port)
-        for _ in range(100):
-            try:
-                connection.ping()
-                break
-            except Exception:  # noqa: BLE001  (not up yet)
-                time.sleep(0.05)
+    with private_redis() as connection:
         client = Client(connection, queue="bench", max_queue_length=None)
         text = _batch_lines(lines)
         file_bytes = sum(len(line) + 1 for line in text)
@@ -153,10 +131,6 @@ def run(lines: int) -> dict:
             "status": ended.status, "completed": ended.request_counts.completed,
             "output_mib": round(output_bytes / 2**20, 2), "render_output_s": round(render_s, 3),
         }
-    finally:
-        server.terminate()
-        server.wait()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @click.command()

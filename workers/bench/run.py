@@ -19,7 +19,13 @@ from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.report import BenchReport, environment, system_report
-from workers.bench.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
+from workers.bench.roofline import (
+    ModelCost,
+    Roofline,
+    lone_decode_step_s,
+    matmul_probe,
+    read_bandwidth,
+)
 from workers.bench.system import System
 from workers.bench.workload import WorkloadRequest, shared_prefix_tokens
 from workers.engine import Engine, build_engine

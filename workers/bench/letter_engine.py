@@ -1,0 +1,88 @@
+"""An engine with no model (it satisfies `workers.engine_api.EngineProtocol`): what the job system costs alone.
+
+Each request generates one token per step: token i of its output is `FIRST_TOKEN + i`, whose text is one letter.
+`python -m workers.bench.job_rate` measures the worker's jobs per second on it, and the test suite's fake engine
+builds on it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from batcher.blocks import PrefixCacheStats
+from batcher.schema import GenerationRequest
+from workers.engine_api import EngineStats, RequestError, RequestOutput, StepStats
+
+FIRST_TOKEN = 65  # "A"
+
+
+@dataclass
+class LetterRequest:
+    request: GenerationRequest
+    arrival_time: float
+    generated: list[int] = field(default_factory=list)
+    first_at: float | None = None
+    last_at: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids or self.request.prompt or "x")
+
+
+class LetterEngine:
+    def __init__(self, max_num_seqs: int = 4, name: str = "letter-model") -> None:
+        self.loaded = SimpleNamespace(name=name)
+        self.max_num_seqs = max_num_seqs
+        self.step_index = 0
+        self.last_step: StepStats | None = None
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.requests: dict[str, LetterRequest] = {}
+
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in the engine")
+        self.requests[request_id] = LetterRequest(request, time.monotonic() if arrival_time is None else arrival_time)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.max_num_seqs - len(self.requests))
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.requests), num_waiting=0, free_slots=self.free_slots,
+                           kv_cache_usage=len(self.requests) / self.max_num_seqs,
+                           prefix_cache=self.prefix_cache_stats, dtype="float32", last_step=self.last_step)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self.advance(request_id, req) for request_id, req in list(self.requests.items())]
+        self.last_step = StepStats(step=self.step_index, num_seqs=len(outputs), num_tokens=len(outputs),
+                                   num_prefill_tokens=0, num_preempted=0, duration_s=0.0)
+        self.step_index += 1
+        return outputs
+
+    def advance(self, request_id: str, req: LetterRequest) -> RequestOutput:
+        """One step of one request: its next letter, and its end once it has `max_tokens` of them."""
+        token = FIRST_TOKEN + len(req.generated)
+        req.generated.append(token)
+        req.last_at = time.monotonic()
+        req.first_at = req.first_at or req.last_at
+        done = len(req.generated) >= req.request.sampling.max_tokens
+        if done:
+            del self.requests[request_id]
+        return self.output(request_id, req, [token], finish_reason="length" if done else None)
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        return None if req is None else self.output(request_id, req, [], finish_reason=reason)
+
+    @staticmethod
+    def output(request_id: str, req: LetterRequest, new: list[int], finish_reason: str | None = None,
+               error: str | None = None) -> RequestOutput:
+        return RequestOutput(request_id=request_id, new_token_ids=new, delta_text="".join(map(chr, new)),
+                             text="".join(map(chr, req.generated)), token_ids=list(req.generated),
+                             num_prompt_tokens=req.num_prompt_tokens, finish_reason=finish_reason, error=error,
+                             arrival_time=req.arrival_time, first_token_time=req.first_at, last_token_time=req.last_at)
