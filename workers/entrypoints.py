@@ -13,7 +13,7 @@ from batcher.client import connect
 from batcher.config import EngineConfig
 from workers.bench.report import BenchReport
 from workers.bench.system import System
-from workers.engine import build_engine
+from workers.engine import Engine, build_engine
 
 
 def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig, *, name: str | None,
@@ -40,11 +40,16 @@ def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig,
               model_name=model_name, lease_s=lease_s, **hooks).work(burst=burst)
 
 
-def run_file(engine_config: EngineConfig, lines: list[str], on_done: Callable[[], None]) -> list[dict]:
+def load_engine(engine_config: EngineConfig) -> Engine:
+    """The model loaded into an engine (`dtype="auto"` resolved): a model that cannot load fails here, first."""
+    return build_engine(engine_config)
+
+
+def run_file(engine: Engine, lines: list[str], on_done: Callable[[], None]) -> list[dict]:
     """`batcher run`: an OpenAI batch file's lines through the engine, without Redis; results in input order."""
     from workers.offline import run_batch
 
-    return run_batch(build_engine(engine_config), lines, on_done=on_done)
+    return run_batch(engine, lines, on_done=on_done)
 
 
 def parse_system(spec: str) -> System:

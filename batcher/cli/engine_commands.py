@@ -60,9 +60,10 @@ def run(engine_config, input_path, output_path, print_texts):
     from workers import entrypoints
 
     lines = input_path.readlines()
+    engine = entrypoints.load_engine(engine_config)
     total = sum(1 for line in lines if line.strip())
     with click.progressbar(length=total, label="generating", file=sys.stderr) as bar:
-        results = entrypoints.run_file(engine_config, lines, on_done=lambda: bar.update(1))
+        results = entrypoints.run_file(engine, lines, on_done=lambda: bar.update(1))
     for result in results:
         output_path.write(json.dumps(result) + "\n")
     failed = sum(1 for r in results if r["error"])
