@@ -27,8 +27,8 @@ from batcher.batches.lines import record_outcome_on
 from batcher.job_stream import append_event
 from batcher.jobs import JOB_FUNCTION
 from batcher.openai_batch import readable
-from batcher.rq_adapter import (BaseJobWorker, DeserializationError, Execution, Job, JobStatus, Queue,
-                                cancel_taken_on, failure_ttl, rq_queue, stop_job)
+from batcher.rq_adapter import (BaseJobWorker, DeserializationError, Execution, InvalidJobOperation, Job, JobStatus,
+                                Queue, cancel_taken_on, failure_ttl, rq_queue, stop_job)
 from batcher.schema import GenerationRequest, GenerationResult, StreamEvent
 
 # RQ's statuses of a job that has ended: nothing will run it again, and its end is recorded.
@@ -119,7 +119,11 @@ def cancel(connection: Redis, job: Job, status: JobStatus) -> bool:
             pipe.delete(keys.cancel_key(job.id))
             pipe.execute()
         return True
-    if job.get_status(refresh=True) == JobStatus.STARTED:
+    try:
+        status = job.get_status(refresh=True)
+    except InvalidJobOperation:  # the job expired meanwhile: nothing will run it
+        return True
+    if status == JobStatus.STARTED:
         stop_job(connection, job.id)  # the fast path; the recorded cancel is the sure one
     elif status in (JobStatus.DEFERRED, JobStatus.SCHEDULED):  # not in a queue list: RQ cancels it
         job.cancel()
