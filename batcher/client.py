@@ -24,7 +24,8 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher import keys
+from batcher import connection as redis_connection
+from batcher import durability, keys
 from batcher.admin import list_workers
 from batcher.batches import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError,
                              BatchNotFound, BatchStore, record_job_end)
@@ -87,8 +88,8 @@ class JobInfo:
 
 
 def connect(redis_url: str | None = None) -> Redis:
-    """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (rediss:// and passwords work)."""
-    return Redis.from_url(redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
+    """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (every form of batcher.connection)."""
+    return redis_connection.connect(redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
 
 
 class Client:
@@ -103,11 +104,13 @@ class Client:
         failure_ttl: int = DEFAULT_FAILURE_TTL_S,
         queue_ttl: int = DEFAULT_QUEUE_TTL_S,
         max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH,
+        replica_wait: durability.ReplicaWait | None = None,
     ) -> None:
         self.connection = redis if isinstance(redis, Redis) else connect(redis)
         self.queue = keys.check_queue(queue)
         self.result_ttl, self.failure_ttl, self.queue_ttl = result_ttl, failure_ttl, queue_ttl
         self.max_queue_length = max_queue_length
+        self.replica_wait = replica_wait  # None: the process's (--wait-replicas, $BATCHER_WAIT_REPLICAS)
         self._queues: dict[str, Queue] = {}
 
     # ----- enqueue -----
@@ -130,6 +133,7 @@ class Client:
         with self.connection.pipeline() as pipe:
             jobs = self._enqueue(pipe, requests, prepared)
             pipe.execute()
+        durability.confirm(self.connection, f"the enqueue of {len(jobs)} jobs", self.replica_wait)
         return [job.id for job in jobs]
 
     def _prepare(self, request: GenerationRequest, job_id: str | None, queue_ttl: int):
@@ -237,6 +241,7 @@ class Client:
                                reason="cancelled while queued")
                 pipe.delete(keys.cancel_key(job.id))
                 pipe.execute()
+            durability.confirm(self.connection, f"the cancel of job {job.id}", self.replica_wait)
             return True
         status = self._status(job)
         if status == JobStatus.STARTED:
@@ -340,6 +345,8 @@ class Client:
                             rq_queues, retention_s)
             pipe.hget(keys.batch_key(batch.id), "status")
             status = pipe.execute()[-1]
+        durability.confirm(self.connection, f"the enqueue of {len(requests)} lines of batch {batch.id}",
+                           self.replica_wait)
         if status in (b"validating", "validating"):
             return True
         store.cancel(batch.id)  # cancelled while validating: sweep the jobs enqueued since

@@ -29,7 +29,7 @@ from typing import Protocol
 from redis import Redis
 from redis.exceptions import WatchError
 
-from batcher import keys
+from batcher import durability, keys
 from batcher.batches import record_job_end
 from batcher.job_stream import append_event
 from batcher.jobs import request_of
@@ -258,6 +258,7 @@ class LeaseKeeper:
                 outcome = "requeued it at the front"
             release_on(pipe, job_id, execution_id, queue.name, ended=bool(cancelled) or attempts >= MAX_ATTEMPTS)
             pipe.execute()
+        durability.confirm(connection, f"the recovery of job {job_id}", strict=False)
         log.warning("worker %s: job %s lost its worker (attempt %d); %s", worker.name, job_id, attempts, outcome)
         return True
 

@@ -30,8 +30,9 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from batcher import keys
+from batcher import durability, keys
 from batcher.batches import record_job_end
+from batcher.connection import describe
 from batcher.jobs import DEFAULT_LEASE_S, InvalidJob, bounded_reason, request_from_job
 from batcher.redis_retry import REDIS_ERRORS, Backoff, retry_while_unreachable
 from batcher.scheduler import Sequence
@@ -456,6 +457,8 @@ class BatchWorker(BaseBatchWorker):
                     recorded.append(f)
 
         fenced(self.connection, [f.job.id for f in ended], build)
+        if recorded:  # before they are forgotten: a failover now makes the next call record them again
+            durability.confirm(self.connection, f"the end of {len(recorded)} jobs", strict=False)
         for f in ended:
             if f in recorded:
                 self.streams.discard(f.execution.id)
@@ -573,6 +576,4 @@ def _check_deadline(request: GenerationRequest) -> None:
 
 def wait_for_redis(connection: Redis) -> None:
     """Return once Redis answers; until then, say so and retry with backoff (a worker may start first)."""
-    kwargs = connection.connection_pool.connection_kwargs
-    where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-    retry_while_unreachable(connection.ping, what=f"Redis at {where}")
+    retry_while_unreachable(connection.ping, what=f"Redis at {describe(connection)}")

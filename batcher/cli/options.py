@@ -12,7 +12,8 @@ from batcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 redis_url_option = click.option(
     "--redis-url", default=DEFAULT_REDIS_URL, envvar=REDIS_URL_ENV, show_default=True,
-    help="redis://[:password@]host:port/db, or rediss:// for TLS.")
+    help="redis://[:password@]host:port/db, rediss:// for TLS, or "
+         "redis+sentinel://[:password@]host:port[,host:port...]/service[/db] (rediss+sentinel:// for TLS).")
 queue_option = click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True, help="The queue to submit to.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 prefix_caching_option = click.option(
