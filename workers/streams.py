@@ -33,9 +33,10 @@ STREAM_FLUSH_S = 0.02  # a token waits in the buffer this long at most (or one s
 KEEP_TTL = ""  # a write that leaves the stream's TTL as it is
 
 # KEYS: per job, its lease key and its stream key. ARGV: maxlen, the field name, then per job: the execution
-# id, the id below which older events are dropped first ('' for none), the TTL (`ttl_arg`, or '' to keep it),
-# the number of events, and each event's id and payload. Returns the 1-based positions of the jobs whose
-# lease is not held.
+# id, the id below which older events are dropped first ('' for none), the id of the last event this execution
+# wrote ('' for none yet), the TTL (`ttl_arg`, or '' to keep it), the number of events, and each event's id and
+# payload. Returns the 1-based positions of the jobs whose lease is not held, or whose stream lacks an event
+# this execution wrote (a failover lost it: writing on would leave a gap, so the job is rerun from its lease).
 WRITE_EVENTS_LUA = """
 local function older(a, b)
   local ams, aseq = string.match(a, '(%d+)-(%d+)')
@@ -47,9 +48,14 @@ local lost = {}
 local a = 3
 for j = 1, #KEYS, 2 do
   local lease, stream = KEYS[j], KEYS[j + 1]
-  local execution, below, ttl, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3])
-  a = a + 4
-  if redis.call('GET', lease) == execution then
+  local execution, below, after, ttl, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4])
+  a = a + 5
+  local intact = true
+  if after ~= '' then
+    local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+    intact = top[1] ~= nil and not older(top[1][1], after)
+  end
+  if intact and redis.call('GET', lease) == execution then
     if below ~= '' then
       local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
       if top[1] and older(top[1][1], below) then redis.call('DEL', stream) end
@@ -87,6 +93,7 @@ class _Attempt:
     next_seq: int = 0
     events: list[tuple[str, StreamEvent]] = field(default_factory=list)
     sealed: int = 0  # events[:sealed] were in a write whose outcome is unknown: nothing is merged into them
+    written_to: str = ""  # the id of the last event known written: the stream must still hold it
     ttl: str = KEEP_TTL
 
     def add(self, event: StreamEvent) -> None:
@@ -95,7 +102,7 @@ class _Attempt:
 
     def script_args(self) -> list:
         below = f"{self.base_ms}-0" if self.replace else ""
-        args = [self.execution_id, below, self.ttl, len(self.events)]
+        args = [self.execution_id, below, self.written_to, self.ttl, len(self.events)]
         for event_id, event in self.events:
             args += [event_id, event.to_fields()[STREAM_FIELD]]
         return args
@@ -179,5 +186,6 @@ class StreamWriter:
 
     def _written(self, execution_id: str) -> None:
         attempt = self._attempts[execution_id]
+        attempt.written_to = attempt.events[-1][0] if attempt.events else attempt.written_to
         attempt.events, attempt.sealed, attempt.replace, attempt.ttl = [], 0, False, KEEP_TTL
 
