@@ -8,7 +8,7 @@ import click
 
 from batcher import keys
 from batcher.cli import main
-from batcher.cli.options import engine_options, queue_option, redis_url_option
+from batcher.cli.options import engine_options, queue_option, redis_url_option, replica_wait_options
 from batcher.config import DEFAULT_METRICS_ADDR
 from batcher.jobs import DEFAULT_LEASE_S
 
@@ -37,6 +37,7 @@ def _client(redis_url: str, queue: str = keys.DEFAULT_QUEUE):
               help="Serve Prometheus metrics on this port (off when not given).")
 @click.option("--metrics-addr", default=DEFAULT_METRICS_ADDR, envvar="BATCHER_METRICS_ADDR", show_default=True,
               help="The address /metrics binds to; 0.0.0.0 to let other hosts scrape it.")
+@replica_wait_options
 def worker(redis_url, queues, engine_config, name, served_model_name, lease, burst, metrics_port, metrics_addr):
     """Serve generation jobs from Redis with continuous batching.
 
@@ -78,6 +79,7 @@ def worker(redis_url, queues, engine_config, name, served_model_name, lease, bur
               help="0 is the most urgent.")
 @click.option("--follow", is_flag=True, help="Wait: print PROMPT's text live, or the batch's progress and then its "
                                              "output and error lines.")
+@replica_wait_options
 def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, temperature, priority, follow):
     """Enqueue PROMPT and print its job id, or create a batch of --file and print the batch id."""
     if (prompt is None) == (batch_file is None):
@@ -145,6 +147,7 @@ def status(redis_url, job_id):
 @main.command()
 @redis_url_option
 @click.argument("job_id")
+@replica_wait_options
 def cancel(redis_url, job_id):
     """Cancel a queued job, or stop a running one (its partial text is kept in its stream)."""
     cancelled = _client(redis_url).cancel(job_id)

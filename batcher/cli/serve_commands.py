@@ -7,7 +7,7 @@ import os
 import click
 
 from batcher.cli import main
-from batcher.cli.options import queue_option, redis_url_option
+from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
 from batcher.client import DEFAULT_MAX_QUEUE_LENGTH
 from batcher.errors import BatcherError
 from batcher.files import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
@@ -30,6 +30,7 @@ from batcher.gateway.defaults import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DE
               envvar="BATCHER_MAX_REQUEST_BYTES", help="Largest JSON request body.")
 @click.option("--max-queue-length", type=click.IntRange(1), default=DEFAULT_MAX_QUEUE_LENGTH, show_default=True,
               envvar="BATCHER_MAX_QUEUE_LENGTH", help="Answer 429 rather than queue more jobs than this.")
+@replica_wait_options
 def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_lines, max_request_bytes,
           max_queue_length):
     """The OpenAI-compatible HTTP gateway: files, batches, completions (streamed too), models.
