@@ -456,7 +456,8 @@ class BatchWorker(BaseBatchWorker):
                     release_on(pipe, f.job.id, f.execution.id, f.queue.name)
                     recorded.append(f)
 
-        fenced(self.connection, [f.job.id for f in ended], build)
+        replies = fenced(self.connection, [f.job.id for f in ended], build)
+        self.streams.after_transaction(replies, [f.execution.id for f in recorded])
         if recorded:  # before they are forgotten: a failover now makes the next call record them again
             durability.confirm(self.connection, f"the end of {len(recorded)} jobs", strict=False)
         for f in ended:
