@@ -127,7 +127,8 @@ def confirm(connection: Redis, what: str, policy: ReplicaWait | None = None, *, 
     needed = policy.replicas if policy.replicas is not None else min(1, now.replicas)
     problem = None
     if now.replid != seen.replid and (seen.replicas or now.replicas):
-        problem = (f"the primary changed (a failover) while {what} was written: it may be on the old primary only")
+        problem = (f"the primary changed (a failover) since this thread last confirmed a write: {what} may be on the "
+                   "old primary only")
     elif acked < needed:
         problem = f"{acked} of {needed} replicas confirmed {what} within {policy.timeout_ms} ms"
     if problem is None:
