@@ -7,19 +7,25 @@ each custom_id once in its output file; the pool submits and completes work agai
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
+import openai
 import pytest
+from openai import OpenAI
 
 from batcher.client import Client
 from batcher.durability import NotReplicated
 from batcher.redis_retry import REDIS_ERRORS
 from tests.jobs_support import wait_for
 from tests.reliability.sentinel_support import SentinelCluster
-from tests.reliability.support import greedy, record, start_worker, stop, wait_ready
+from tests.reliability.support import free_port, greedy, record, start_worker, stop, wait_ready
 from tests.reliability.test_network_faults import check_exactly_once
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,6 +35,8 @@ LINES = 200
 SUBMIT_EVERY_S = 0.05
 GOAL_S = 30  # submits again, and completes a job again, within this long of the kill
 AFTER_KILL_S = 4  # the producer goes on this long after the failover
+LONG = 450  # tokens: a stream that runs for hundreds of steps (the tiny models have 512 positions)
+API_KEY = "sk-failover"
 
 
 def batch_line(i: int) -> str:
@@ -143,3 +151,43 @@ def test_five_failovers_at_random_moments(tiny_model_dir, tmp_path):
     figures = run_failovers(tmp_path, tiny_model_dir("llama"), kills=5, rng=random.Random())
     for i, f in enumerate(figures):
         record(f"failover_{i + 1}_of_5", **f)
+
+
+def test_a_stream_relayed_by_the_gateway_goes_on_across_a_failover(tiny_model_dir, tmp_path):
+    """The gateway and the worker reach Redis through the sentinels; the primary is killed while a chat stream is
+    relayed. The client reads one answer equal to the job's result: at most a restart (held back by the gateway
+    until it passes the text already sent), never a gap or a repeated token."""
+    cluster = SentinelCluster(tmp_path / "redis").start()
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url",
+                                cluster.url, "--queue", QUEUE], env={**os.environ, "BATCHER_API_KEYS": API_KEY},
+                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "gateway.log").open("w"))
+    name, worker = start_worker(cluster.url, tiny_model_dir("llama"), QUEUE, tmp_path / "worker.log",
+                                extra=("--served-model-name", MODEL))
+    try:
+        client = Client(cluster.url, queue=QUEUE)
+        wait_ready(client.connection, name, worker)
+        sdk = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
+        wait_for(lambda: _serves(sdk), 60, "the gateway to list the worker's model")
+        stream = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=LONG, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        job_id = next(chunks).id.removeprefix("chatcmpl-")
+        text = [c.choices[0].delta.content or "" for c in itertools.islice(chunks, 5)]  # tokens are flowing
+        cluster.wait_failover(cluster.kill_primary())
+        text += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        result = client.result(job_id, timeout=120)
+        assert result.usage.completion_tokens == LONG
+        assert "".join(text) == result.text
+        assert gateway.poll() is None and worker.poll() is None
+    finally:
+        stop(worker)
+        stop(gateway)
+        cluster.stop()
+
+
+def _serves(sdk: OpenAI) -> bool:
+    try:
+        return MODEL in [m.id for m in sdk.models.list()]
+    except openai.APIConnectionError:
+        return False
