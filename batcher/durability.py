@@ -40,6 +40,7 @@ AUTO = "auto"
 DEFAULT_TIMEOUT_MS = 1000  # the longest a write waits for its replicas before it is reported unconfirmed
 REPLICA_COUNT_TTL_S = 5.0  # how long "this primary has no replica" is believed before INFO is read again
 MARK_KEY = "batcher:replication-mark"
+UNKNOWN_COMMAND = "unknown command"
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +119,18 @@ def confirm(connection: Redis, what: str, policy: ReplicaWait | None = None, *, 
         seen = _remember(connection, connection.info("replication"))
         if seen.replicas == 0:
             return 0
-    with connection.pipeline(transaction=False) as pipe:
-        pipe.set(MARK_KEY, 1)
-        pipe.wait(1 if policy.replicas is None else policy.replicas, policy.timeout_ms)
-        pipe.info("replication")
-        _, acked, info = pipe.execute()
+    try:
+        with connection.pipeline(transaction=False) as pipe:
+            pipe.set(MARK_KEY, 1)
+            pipe.wait(1 if policy.replicas is None else policy.replicas, policy.timeout_ms)
+            pipe.info("replication")
+            _, acked, info = pipe.execute()
+    except ResponseError as exc:  # a managed Redis that lacks WAIT: say so once, and stop asking
+        if UNKNOWN_COMMAND not in str(exc).lower():
+            raise
+        log.warning("this Redis refuses WAIT (%s): writes are acknowledged without a replica's confirmation", exc)
+        _unsupported.add(connection)
+        return 0
     now = _remember(connection, info)
     needed = policy.replicas if policy.replicas is not None else min(1, now.replicas)
     problem = None
@@ -147,7 +155,9 @@ def _last_seen(connection: Redis) -> _Seen | None:
         return seen
     try:
         info = connection.info("replication")
-    except ResponseError:  # a server without INFO or WAIT (fakeredis): nothing to confirm with
+    except ResponseError as exc:  # a server without INFO or WAIT (fakeredis): nothing to confirm with
+        if UNKNOWN_COMMAND not in str(exc).lower():
+            raise
         _unsupported.add(connection)
         return None
     return _remember(connection, info)
