@@ -133,7 +133,8 @@ class Client:
         with self.connection.pipeline() as pipe:
             jobs = self._enqueue(pipe, requests, prepared)
             pipe.execute()
-        durability.confirm(self.connection, f"the enqueue of {len(jobs)} jobs", self.replica_wait)
+        durability.confirm(self.connection, f"the enqueue of {len(jobs)} jobs", self.replica_wait,
+                           present=lambda: self._all_exist([job.id for job in jobs]))
         return [job.id for job in jobs]
 
     def _prepare(self, request: GenerationRequest, job_id: str | None, queue_ttl: int):
@@ -340,13 +341,13 @@ class Client:
         rq_queues.update(adding)
         bad = {index: (custom_id, reason) for index, custom_id, _, reason in chunk if reason is not None}
         with self.connection.pipeline() as pipe:
-            self._enqueue(pipe, requests, prepared)
+            jobs = self._enqueue(pipe, requests, prepared)
             store.add_lines(pipe, batch.id, chunk[0][0], [custom_id for _, custom_id, _, _ in chunk], bad,
                             rq_queues, retention_s)
             pipe.hget(keys.batch_key(batch.id), "status")
             status = pipe.execute()[-1]
         durability.confirm(self.connection, f"the enqueue of {len(requests)} lines of batch {batch.id}",
-                           self.replica_wait)
+                           self.replica_wait, present=lambda: self._all_exist([job.id for job in jobs]))
         if status in (b"validating", "validating"):
             return True
         store.cancel(batch.id)  # cancelled while validating: sweep the jobs enqueued since
@@ -404,6 +405,9 @@ class Client:
             if length + n > self.max_queue_length:
                 raise QueueFull(f"queue {name} holds {length} jobs; adding {n} would pass the limit of "
                                 f"{self.max_queue_length}")
+
+    def _all_exist(self, job_ids: list[str]) -> bool:
+        return not job_ids or self.connection.exists(*(Job.key_for(job_id) for job_id in job_ids)) == len(job_ids)
 
     def _fetch(self, job_id: str) -> Job:
         try:

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis import Redis
@@ -104,9 +105,13 @@ _unsupported: weakref.WeakSet[Redis] = weakref.WeakSet()  # fakeredis and the li
 _lock = threading.Lock()
 
 
-def confirm(connection: Redis, what: str, policy: ReplicaWait | None = None, *, strict: bool = True) -> int:
+def confirm(connection: Redis, what: str, policy: ReplicaWait | None = None, *, strict: bool = True,
+            present: Callable[[], bool] | None = None) -> int:
     """After `what` was written through `connection`: wait until the policy's replicas hold it. Return how many
-    replicas confirmed; unconfirmed, raise NotReplicated (`strict`) or log a warning."""
+    replicas confirmed; unconfirmed, raise NotReplicated (`strict`) or log a warning.
+
+    `present()` tells whether the write is on the primary that answers now: after a failover, a write found
+    there is confirmed on that primary's replicas instead of being reported."""
     policy = policy or current()
     if policy.replicas == 0 or connection in _unsupported:
         return 0
@@ -135,6 +140,8 @@ def confirm(connection: Redis, what: str, policy: ReplicaWait | None = None, *, 
     needed = policy.replicas if policy.replicas is not None else min(1, now.replicas)
     problem = None
     if now.replid != seen.replid and (seen.replicas or now.replicas):
+        if present is not None and present():  # the write reached the new primary (or was replicated to it)
+            return confirm(connection, what, policy, strict=strict)
         problem = (f"the primary changed (a failover) since this thread last confirmed a write: {what} may be on the "
                    "old primary only")
     elif acked < needed:

@@ -34,7 +34,7 @@ MODEL = "tiny"
 LINES = 200
 SUBMIT_EVERY_S = 0.05
 GOAL_S = 30  # submits again, and completes a job again, within this long of the kill
-AFTER_KILL_S = 4  # the producer goes on this long after the failover
+KILL_AFTER_LINES = (10, 150)  # the kill comes once the batch has completed a random number of lines in this range
 LONG = 450  # tokens: a stream that runs for hundreds of steps (the tiny models have 512 positions)
 API_KEY = "sk-failover"
 
@@ -75,6 +75,16 @@ class Producer:
                 self.refused.append((time.monotonic(), f"{type(exc).__name__}: {exc}"))
 
 
+def check_batch(client: Client, batch_id: str) -> None:
+    """The batch completes 200/200/0, each custom_id once in its output file, none in its error file."""
+    wait_for(lambda: client.batch(batch_id).status == "completed", 300, "the batch to complete", interval=0.2)
+    counts = client.batch(batch_id).request_counts
+    assert (counts.total, counts.completed, counts.failed) == (LINES, LINES, 0)
+    output = [json.loads(line) for line in client.batch_output(batch_id)]
+    assert sorted(o["custom_id"] for o in output) == sorted(f"line-{i}" for i in range(LINES))
+    assert not list(client.batch_output(batch_id, errors=True))
+
+
 def completed(client: Client, batch_id: str) -> int:
     try:
         return client.batch(batch_id).request_counts.completed
@@ -94,10 +104,9 @@ def run_failovers(tmp_path, model_dir, kills: int, rng: random.Random) -> list[d
         for name, process in workers:
             wait_ready(client.connection, name, process)
         producer = Producer(cluster.url).start()
-        batch = client.create_batch([batch_line(i) for i in range(LINES)])
-        for round_ in range(kills):
-            # a random moment while the batch runs
-            target = rng.randint(LINES * round_ // (kills + 1) + 5, LINES * (round_ + 1) // (kills + 1))
+        for _ in range(kills):  # each round: a batch, and a kill at a random moment while it runs
+            batch = client.create_batch([batch_line(i) for i in range(LINES)])
+            target = rng.randint(KILL_AFTER_LINES[0], KILL_AFTER_LINES[1])
             wait_for(lambda: completed(client, batch.id) >= target, 300, "the batch to progress", interval=0.05)
             done_at_kill = completed(client, batch.id)
             acknowledged_at_kill = len(producer.acknowledged)
@@ -112,20 +121,13 @@ def run_failovers(tmp_path, model_dir, kills: int, rng: random.Random) -> list[d
                      interval=0.02)
             completes_again_s = time.monotonic() - killed_at
             assert submits_again_s <= GOAL_S and completes_again_s <= GOAL_S
-            time.sleep(AFTER_KILL_S)
-            cluster.rejoin(old)
+            check_batch(client, batch.id)
+            cluster.rejoin(old)  # the next round's primary has a replica again
             cluster.wait_sentinels_agree(new)
             figures.append({"batch_done_at_kill": done_at_kill, "promoted_s": round(promoted_s, 1),
                             "submits_again_s": round(submits_again_s, 1),
                             "completes_again_s": round(completes_again_s, 1)})
         producer.stop()
-
-        wait_for(lambda: client.batch(batch.id).status == "completed", 300, "the batch to complete", interval=0.2)
-        counts = client.batch(batch.id).request_counts
-        assert (counts.total, counts.completed, counts.failed) == (LINES, LINES, 0)
-        output = [json.loads(line) for line in client.batch_output(batch.id)]
-        assert sorted(o["custom_id"] for o in output) == sorted(f"line-{i}" for i in range(LINES))
-        assert not list(client.batch_output(batch.id, errors=True))
         # every acknowledged job finished once; its stream after its last `restart` is its whole text, no gap
         rerun = check_exactly_once(client.connection, client, [job_id for _, job_id in producer.acknowledged])
         for (name, process), log in zip(workers, logs):
