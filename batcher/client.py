@@ -242,7 +242,9 @@ class Client:
                                reason="cancelled while queued")
                 pipe.delete(keys.cancel_key(job.id))
                 pipe.execute()
-            durability.confirm(self.connection, f"the cancel of job {job.id}", self.replica_wait)
+            durability.confirm(self.connection, f"the cancel of job {job.id}", self.replica_wait,
+                               present=lambda: not self.connection.exists(keys.cancel_key(job.id))
+                               and self._status(job) in TERMINAL_STATUSES)
             return True
         status = self._status(job)
         if status == JobStatus.STARTED:
