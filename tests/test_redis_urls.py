@@ -165,6 +165,7 @@ def test_confirm_costs_nothing_without_replicas_and_on_fakeredis(tmp_path):
 
 
 def test_the_policy_comes_from_the_environment(monkeypatch):
+    monkeypatch.setattr(durability, "_configured", None)  # as in a fresh process (a CLI test may have set one)
     monkeypatch.setenv(durability.REPLICAS_ENV, "2")
     monkeypatch.setenv(durability.TIMEOUT_ENV, "250")
     assert durability.current() == ReplicaWait(2, 250)
@@ -175,3 +176,5 @@ def test_the_policy_comes_from_the_environment(monkeypatch):
         durability.current()
     with pytest.raises(ValueError, match="at least 1 ms"):
         ReplicaWait(timeout_ms=0)
+    durability.configure(ReplicaWait(0, 5))  # the CLI's flags win over the environment
+    assert durability.current() == ReplicaWait(0, 5)
