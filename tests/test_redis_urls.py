@@ -9,11 +9,14 @@ import asyncio
 import logging
 import re
 import signal
+import subprocess
 
 import fakeredis
 import pytest
+from redis import Redis
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.connection import SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.sentinel import SentinelConnectionPool
 
@@ -24,8 +27,7 @@ from batcher.connection import (DEFAULT_SENTINEL_PORT, DEMOTED, FailoverConnecti
 from batcher.connection import connect as connect_url
 from batcher.durability import NotReplicated, ReplicaWait
 from tests.jobs_support import wait_for
-from tests.reliability.support import RedisServer
-
+from tests.reliability.support import RedisServer, free_port
 
 # ----- URL forms -----
 
@@ -178,3 +180,37 @@ def test_the_policy_comes_from_the_environment(monkeypatch):
         ReplicaWait(timeout_ms=0)
     durability.configure(ReplicaWait(0, 5))  # the CLI's flags win over the environment
     assert durability.current() == ReplicaWait(0, 5)
+
+
+def test_sentinel_and_data_node_passwords_each_go_to_their_side(tmp_path):
+    """A primary with `requirepass`, and a sentinel with a password of its own: the URL's userinfo reaches the
+    primary, `sentinel_password` the sentinel; either one wrong is refused."""
+    primary = RedisServer(tmp_path / "primary", "--requirepass", "nodepw", password="nodepw").start()
+    port = free_port()
+    directory = tmp_path / "sentinel"
+    directory.mkdir()
+    config = directory / "sentinel.conf"
+    config.write_text(f"port {port}\nbind 127.0.0.1\ndir {directory}\nrequirepass sentpw\n"
+                      f"sentinel monitor svc 127.0.0.1 {primary.port} 1\nsentinel auth-pass svc nodepw\n")
+    sentinel = subprocess.Popen(["redis-server", str(config), "--sentinel"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT)
+    try:
+        url = f"redis+sentinel://:nodepw@127.0.0.1:{port}/svc/1?sentinel_password=sentpw"
+        client = wait_for(lambda: _answers(connect_url(url)), 20, "the sentinel to name the primary")
+        client.set("k", "v")
+        assert Redis(port=primary.port, password="nodepw", db=1).get("k") == b"v"  # the URL's db
+        with pytest.raises(RedisConnectionError):  # the sentinel refuses: no primary can be found
+            connect_url(f"redis+sentinel://:nodepw@127.0.0.1:{port}/svc?sentinel_password=wrong").ping()
+        with pytest.raises(AuthenticationError):
+            connect_url(f"redis+sentinel://:wrong@127.0.0.1:{port}/svc?sentinel_password=sentpw").ping()
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+        primary.stop()
+
+
+def _answers(client):
+    try:
+        return client if client.ping() else None
+    except RedisConnectionError:
+        return None
