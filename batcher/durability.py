@@ -14,7 +14,7 @@ Two traps this module closes:
   write alone.
 - A confirmation that reaches another primary than the write did (a failover in between, or redis-py
   re-sending it after a cut) vouches for nothing: INFO replication's replid, read in the same round trip,
-  tells, and the write is then reported unconfirmed.
+  tells, and the write is then reported unconfirmed, unless the caller finds it on the new primary (`present`).
 
 Unconfirmed, `confirm` raises NotReplicated (`strict`, for a caller who is being answered: an enqueue), or
 logs a warning (a worker, whose lease brings the job back if its end is lost).
@@ -142,15 +142,16 @@ def confirm(connection: Redis, what: str, policy: ReplicaWait | None = None, *, 
     if now.replid != seen.replid and (seen.replicas or now.replicas):
         if present is not None and present():  # the write reached the new primary (or was replicated to it)
             return confirm(connection, what, policy, strict=strict)
-        problem = (f"the primary changed (a failover) since this thread last confirmed a write: {what} may be on the "
-                   "old primary only")
+        problem = (f"the primary changed (a failover) since this thread last confirmed a write: {what} may have "
+                   "reached the old primary only, and be lost")
     elif acked < needed:
-        problem = f"{acked} of {needed} replicas confirmed {what} within {policy.timeout_ms} ms"
+        problem = (f"{acked} of {needed} replicas confirmed {what} within {policy.timeout_ms} ms: it is on the "
+                   "primary, and a failover now would lose it")
     if problem is None:
         return acked
     if strict:
-        raise NotReplicated(f"{problem}; it is on the primary, and a failover now could lose it")
-    log.warning("%s; a failover now would lose it", problem)
+        raise NotReplicated(problem)
+    log.warning("%s", problem)
     return acked
 
 
