@@ -18,7 +18,8 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher import job_life, keys
+from batcher import connection as redis_connection
+from batcher import durability, job_life, keys
 from batcher.admin import list_workers
 from batcher.batches import ingest
 from batcher.batches.model import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError,
@@ -71,8 +72,8 @@ class JobInfo:
 
 
 def connect(redis_url: str | None = None) -> Redis:
-    """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (rediss:// and passwords work)."""
-    return Redis.from_url(redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
+    """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (every form of batcher.connection)."""
+    return redis_connection.connect(redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
 
 
 class Client:
@@ -87,10 +88,11 @@ class Client:
         failure_ttl: int = DEFAULT_FAILURE_TTL_S,
         queue_ttl: int = DEFAULT_QUEUE_TTL_S,
         max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH,
+        replica_wait: durability.ReplicaWait | None = None,
     ) -> None:
         self.connection = redis if isinstance(redis, Redis) else connect(redis)
         self.enqueuer = Enqueuer(self.connection, keys.check_queue(queue), result_ttl, failure_ttl, queue_ttl,
-                                 max_queue_length)
+                                 max_queue_length, replica_wait)
         self.queue = self.enqueuer.queue
 
     # ----- enqueue -----
@@ -173,7 +175,7 @@ class Client:
         """Cancel a job: a queued one never runs, a running one stops within one step (its partial text stays in
         its stream), and one whose worker was lost is not started again. False if the job had already ended."""
         job = self._fetch(job_id)
-        return job_life.cancel(self.connection, job, self._status(job))
+        return job_life.cancel(self.connection, job, self._status(job), self.enqueuer.replica_wait)
 
     def status(self, job_id: str) -> JobInfo:
         job = self._fetch(job_id)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from redis import Redis
 
-from batcher import keys
+from batcher import durability, keys
 from batcher.errors import BatcherError
 from batcher.jobs import JOB_FUNCTION, job_argument
 from batcher.rq_adapter import Job, Queue, rq_queue
@@ -42,6 +42,7 @@ class Enqueuer:
     failure_ttl: int = DEFAULT_FAILURE_TTL_S
     queue_ttl: int = DEFAULT_QUEUE_TTL_S
     max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH
+    replica_wait: durability.ReplicaWait | None = None  # None: the process's (--wait-replicas, $BATCHER_WAIT_REPLICAS)
     _queues: dict[str, Queue] = field(default_factory=dict, repr=False)
 
     def submit(self, requests: list[GenerationRequest], job_ids: list[str] | None = None) -> list[str]:
@@ -54,7 +55,17 @@ class Enqueuer:
         with self.connection.pipeline() as pipe:
             jobs = self.enqueue_on(pipe, requests, prepared)
             pipe.execute()
+        self.confirm(jobs, f"the enqueue of {len(jobs)} jobs")
         return [job.id for job in jobs]
+
+    def confirm(self, jobs: list[Job], what: str) -> None:
+        """Return once a replica holds the jobs just enqueued (`batcher.durability`); raise NotReplicated if none
+        does in time."""
+        ids = [job.id for job in jobs]
+        durability.confirm(self.connection, what, self.replica_wait, present=lambda: self._all_exist(ids))
+
+    def _all_exist(self, job_ids: list[str]) -> bool:
+        return not job_ids or self.connection.exists(*(Job.key_for(job_id) for job_id in job_ids)) == len(job_ids)
 
     def prepare(self, request: GenerationRequest, job_id: str | None, queue_ttl: int) -> Prepared:
         """Where one request goes, and the job RQ will store: a request that names a `model` goes to that

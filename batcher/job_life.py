@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import ValidationError
 from redis import Redis
 
-from batcher import keys
+from batcher import durability, keys
 from batcher.batches.lines import record_outcome_on
 from batcher.job_stream import append_event
 from batcher.jobs import JOB_FUNCTION
@@ -104,7 +104,7 @@ def record_end(pipe, job: Job, queue: Queue, status: EndStatus, *, request: Gene
 
 
 # ----- cancel -----
-def cancel(connection: Redis, job: Job, status: JobStatus) -> bool:
+def cancel(connection: Redis, job: Job, status: JobStatus, replica_wait: durability.ReplicaWait | None = None) -> bool:
     """Cancel a job (its current `status` just read): a queued one never runs, a running one stops within one
     step (its partial text stays in its stream), and one whose worker was lost is not started again. False if
     the job had already ended."""
@@ -118,6 +118,9 @@ def cancel(connection: Redis, job: Job, status: JobStatus) -> bool:
             record_end(pipe, job, queue, "stopped", request=readable_request(job), reason=CANCELLED_WHILE_QUEUED)
             pipe.delete(keys.cancel_key(job.id))
             pipe.execute()
+        durability.confirm(connection, f"the cancel of job {job.id}", replica_wait,
+                           present=lambda: not connection.exists(keys.cancel_key(job.id))
+                           and job.get_status(refresh=True) in TERMINAL_STATUSES)
         return True
     try:
         status = job.get_status(refresh=True)

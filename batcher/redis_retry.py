@@ -6,9 +6,10 @@ delay, doubling up to the cap, and try again, rather than crash or spin.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from redis.exceptions import AuthenticationError
@@ -53,3 +54,20 @@ def retry_while_unreachable(call: Callable[..., T], *args, deadline: float | Non
                 raise
             log.warning("cannot reach %s (%s); retrying in %.1f s", what, exc, delay)
             time.sleep(delay)
+
+
+async def retry_while_unreachable_async(call: Callable[..., Awaitable[T]], *args, deadline: float | None = None,
+                                        what: str = "Redis", **kwargs) -> T:
+    """`await call(*args, **kwargs)`, as `retry_while_unreachable` does it, without blocking the event loop."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await call(*args, **kwargs)
+        except REDIS_ERRORS as exc:
+            if isinstance(exc, AuthenticationError):
+                raise
+            delay = backoff.next()
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+            log.warning("cannot reach %s (%s); retrying in %.1f s", what, exc, delay)
+            await asyncio.sleep(delay)

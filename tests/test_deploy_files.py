@@ -27,6 +27,8 @@ DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = ROOT / "compose.yaml"
 GPU_WORKERS = ("worker-gpu-0", "worker-gpu-1")
 WORKERS = ("worker", *GPU_WORKERS)
+SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
+HA_SERVICES = ("redis-replica", *SENTINELS, "worker-ha", "gateway-ha")
 WORKER_DNS_NAME = "worker"
 GATEWAY_DNS_NAME = "gateway-metrics"
 MIN_GRACE_S = 60
@@ -101,7 +103,7 @@ def metrics_port(scrape_job) -> str:
 
 def test_compose_has_every_service(compose):
     assert set(compose["services"]) == {"redis", *WORKERS, "gateway", "producer", "rq-dashboard", "prometheus",
-                                        "grafana"}
+                                        "grafana", *HA_SERVICES}
 
 
 def test_compose_redis_keeps_an_append_only_file(compose):
@@ -143,7 +145,7 @@ def test_compose_cpu_workers_by_default_gpu_workers_in_a_profile(compose):
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         device_ids += device["device_ids"]
     assert len(set(device_ids)) == len(GPU_WORKERS)  # one GPU each, never shared
-    assert all("profiles" not in s for n, s in services.items() if n not in GPU_WORKERS)
+    assert all("profiles" not in s for n, s in services.items() if n not in (*GPU_WORKERS, *HA_SERVICES))
 
 
 def test_compose_producer_submits_the_bundled_samples_once(compose):
@@ -176,6 +178,33 @@ def test_compose_builds_stages_that_exist_and_mounts_files_that_exist(compose):
             assert published.startswith("127.0.0.1:"), f"{name} publishes {published} beyond loopback"
 
 
+def test_compose_ha_profile_adds_a_replica_three_sentinels_and_a_pool_that_follows_the_primary(compose):
+    from batcher.connection import parse_sentinel_url
+
+    services = compose["services"]
+    assert all(services[name]["profiles"] == ["ha"] for name in HA_SERVICES)
+    redis, replica = services["redis"], services["redis-replica"]
+    for node in (redis, replica):  # either may be the primary after a failover
+        assert flag(node["command"], "--appendonly") == "yes" and flag(node["command"], "--maxmemory-policy") == \
+            "noeviction"
+    assert replica["command"][replica["command"].index("--replicaof") + 1:][:2] == ["redis", "6379"]
+    assert any(v.endswith(":/data") for v in replica["volumes"])
+    monitored = set()
+    for name in SENTINELS:
+        config = services[name]["command"][-1]
+        service, host, port, quorum = re.search(r"sentinel monitor (\S+) (\S+) (\d+) (\d+)", config).groups()
+        assert (host, port) == ("redis", "6379") and int(quorum) == len(SENTINELS) // 2 + 1
+        assert "--sentinel" in config and "announce-hostnames yes" in config
+        monitored.add(service)
+    (service,) = monitored
+    for name, plain in (("worker-ha", "worker"), ("gateway-ha", "gateway")):
+        target = parse_sentinel_url(services[name]["environment"]["BATCHER_REDIS_URL"])
+        assert target.service == service and sorted(target.sentinels) == [(s, 26379) for s in SENTINELS]
+        assert services[name]["command"] == services[plain]["command"]
+    assert services["gateway-ha"]["environment"]["BATCHER_API_KEYS"] == \
+        services["gateway"]["environment"]["BATCHER_API_KEYS"]
+
+
 def compose_command() -> list[str] | None:
     """`docker compose` where the plugin is installed, else the standalone `docker-compose`."""
     if shutil.which("docker"):
@@ -185,7 +214,7 @@ def compose_command() -> list[str] | None:
     return [shutil.which("docker-compose")] if shutil.which("docker-compose") else None
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "gpu"]], ids=["default", "gpu"])
+@pytest.mark.parametrize("profile", [[], ["--profile", "gpu"], ["--profile", "ha"]], ids=["default", "gpu", "ha"])
 def test_docker_compose_config_accepts_the_file(profile):
     command = compose_command()
     if command is None:

@@ -17,7 +17,9 @@ from batcher import files as core_files
 from batcher import keys
 from batcher.cli import main
 from batcher.client import Client
+from batcher.durability import NotReplicated
 from batcher.files import FileLimits
+from batcher.gateway import jobs as gateway_jobs
 from batcher.gateway.app import GatewayConfig, create_app
 from batcher.gateway.auth import ApiKeys, UnsafeBind, check_bind, tenant_of
 from batcher.gateway.jobs import AttemptDiverged, TextRelay
@@ -301,10 +303,22 @@ def test_losing_redis_while_waiting_answers_503_and_cancels_the_job(gateway, fak
         raise RedisConnectionError("Connection refused")
 
     monkeypatch.setattr(gateway.app.state.aconnection, "xread", unreachable)
+    monkeypatch.setattr(gateway_jobs, "OUTAGE_WAIT_S", 0.1)  # how long an outage is waited out (30 s: a failover)
     response = gateway.post("/v1/completions", headers=A, json={"model": MODEL, "prompt": "x"})
     assert error_of(response, 503)["code"] == "redis_unreachable"
     (job_id,) = [k.decode().removeprefix("rq:job:") for k in fake_redis.keys("rq:job:*")]
     assert Client(fake_redis).status(job_id).status == "canceled"
+
+
+def test_an_enqueue_no_replica_confirmed_answers_503_not_replicated(gateway, fake_redis, monkeypatch):
+    pretend_worker(fake_redis)
+
+    def unconfirmed(request):
+        raise NotReplicated("0 of 1 replicas confirmed the enqueue of 1 jobs within 1000 ms")
+
+    monkeypatch.setattr(gateway.app.state.client, "submit", unconfirmed)
+    response = gateway.post("/v1/completions", headers=A, json={"model": MODEL, "prompt": "x"})
+    assert error_of(response, 503)["code"] == "not_replicated"
 
 
 def test_a_restarted_job_streams_on_seamlessly_or_says_it_diverged():

@@ -216,7 +216,7 @@ def test_redis_urls_with_tls_and_passwords(monkeypatch):
     from batcher.client import REDIS_URL_ENV, connect
 
     pool = connect("rediss://:s3cret@redis.example:6380/2").connection_pool
-    assert pool.connection_class is SSLConnection
+    assert issubclass(pool.connection_class, SSLConnection)
     assert (pool.connection_kwargs["password"], pool.connection_kwargs["db"]) == ("s3cret", 2)
     monkeypatch.setenv(REDIS_URL_ENV, "redis://user:pw@elsewhere:6390/3")
     kwargs = connect().connection_pool.connection_kwargs

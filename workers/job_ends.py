@@ -7,7 +7,7 @@ writes nothing more of it, and another worker's run of the job is never overwrit
 
 from __future__ import annotations
 
-from batcher import keys
+from batcher import durability, keys
 from batcher.job_life import record_end, terminal_event
 from batcher.rq_adapter import BaseJobWorker
 from workers.in_flight import InFlight
@@ -41,7 +41,10 @@ def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlig
                 release_on(pipe, f.job.id, f.id, f.queue.name)
                 recorded.append(f)
 
-    fenced(worker.connection, [f.job.id for f in ended], build)
+    replies = fenced(worker.connection, [f.job.id for f in ended], build)
+    streams.after_transaction(replies, [f.id for f in recorded])
+    if recorded:  # before they are forgotten: a failover now makes the next call record them again
+        durability.confirm(worker.connection, f"the end of {len(recorded)} jobs", strict=False)
     return recorded
 
 

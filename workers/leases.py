@@ -29,7 +29,7 @@ from typing import Protocol
 from redis import Redis
 from redis.exceptions import WatchError
 
-from batcher import keys
+from batcher import durability, keys
 from batcher.job_life import TERMINAL_STATUSES, readable_request, record_end
 from batcher.redis_retry import REDIS_ERRORS
 from batcher.rq_adapter import BaseJobWorker, Execution, Job, NoSuchJobError, Queue
@@ -250,6 +250,7 @@ class LeaseKeeper:
                 outcome = "requeued it at the front"
             release_on(pipe, job_id, execution_id, queue.name, ended=bool(cancelled) or attempts >= MAX_ATTEMPTS)
             pipe.execute()
+        durability.confirm(connection, f"the recovery of job {job_id}", strict=False)
         log.warning("worker %s: job %s lost its worker (attempt %d); %s", worker.name, job_id, attempts, outcome)
         return True
 

@@ -25,6 +25,7 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from batcher.connection import describe
 from batcher.jobs import DEFAULT_LEASE_S
 from batcher.redis_retry import REDIS_ERRORS, Backoff, retry_while_unreachable
 from batcher.rq_adapter import BaseJobWorker, WorkerStatus, get_version
@@ -292,6 +293,4 @@ class JobWorker(BaseJobWorker):
 
 def wait_for_redis(connection: Redis) -> None:
     """Return once Redis answers; until then, say so and retry with backoff (a worker may start first)."""
-    kwargs = connection.connection_pool.connection_kwargs
-    where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-    retry_while_unreachable(connection.ping, what=f"Redis at {where}")
+    retry_while_unreachable(connection.ping, what=f"Redis at {describe(connection)}")

@@ -93,11 +93,12 @@ def _add_chunk(enqueuer: Enqueuer, store: BatchStore, batch: Batch, chunk: list[
     rq_queues.update(adding)
     bad = {index: (custom_id, reason) for index, custom_id, _, reason in chunk if reason is not None}
     with enqueuer.connection.pipeline() as pipe:
-        enqueuer.enqueue_on(pipe, requests, prepared)
+        jobs = enqueuer.enqueue_on(pipe, requests, prepared)
         store.add_lines(pipe, batch.id, chunk[0][0], [custom_id for _, custom_id, _, _ in chunk], bad,
                         rq_queues, retention_s)
         pipe.hget(keys.batch_key(batch.id), "status")
         status = pipe.execute()[-1]
+    enqueuer.confirm(jobs, f"the enqueue of {len(requests)} lines of batch {batch.id}")
     if status in (b"validating", "validating"):
         return True
     store.cancel(batch.id)  # cancelled while validating: sweep the jobs enqueued since

@@ -13,7 +13,7 @@ import batcher.cli.options as options
 from batcher import keys
 from batcher.batches.model import DEFAULT_COMPLETION_WINDOW
 from batcher.cli.group import main
-from batcher.cli.options import queue_option, redis_url_option
+from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
 from batcher.openai_batch import ENDPOINTS
 
 WAIT_POLL_S = 0.5
@@ -92,6 +92,7 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str] | None:
 @click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="Repeat for more than one.")
 @click.option("--priority", type=click.IntRange(0, keys.NUM_PRIORITIES - 1), default=0, show_default=True)
 @click.option("--wait", is_flag=True, help="Show progress until the batch ends; exit 1 unless it completed.")
+@replica_wait_options
 def create(redis_url, queue, batch_file, endpoint, window, metadata, priority, wait):
     """Create a batch from an OpenAI batch FILE (JSONL) and print its id."""
     client = options.make_client(redis_url, queue)

@@ -10,7 +10,7 @@ import click
 
 from batcher import keys
 from batcher.cli.group import main
-from batcher.cli.options import engine_options, prefix_caching_option, redis_url_option
+from batcher.cli.options import engine_options, prefix_caching_option, redis_url_option, replica_wait_options
 from batcher.client import REDIS_URL_ENV
 from batcher.config import DEFAULT_METRICS_ADDR, EngineConfig
 from batcher.jobs import DEFAULT_LEASE_S
@@ -34,6 +34,7 @@ from batcher.jobs import DEFAULT_LEASE_S
               help="Serve Prometheus metrics on this port (off when not given).")
 @click.option("--metrics-addr", default=DEFAULT_METRICS_ADDR, envvar="BATCHER_METRICS_ADDR", show_default=True,
               help="The address /metrics binds to; 0.0.0.0 to let other hosts scrape it.")
+@replica_wait_options
 def worker(redis_url, queues, engine_config, name, served_model_name, lease, burst, metrics_port, metrics_addr):
     """Serve generation jobs from Redis with continuous batching.
 

@@ -10,7 +10,7 @@ import batcher.cli.batch_commands as batch_commands
 import batcher.cli.options as options
 from batcher import keys
 from batcher.cli.group import main
-from batcher.cli.options import queue_option, redis_url_option
+from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
 
 
 @main.command()
@@ -28,6 +28,7 @@ from batcher.cli.options import queue_option, redis_url_option
               help="0 is the most urgent.")
 @click.option("--follow", is_flag=True, help="Wait: print PROMPT's text live, or the batch's progress and then its "
                                              "output and error lines.")
+@replica_wait_options
 def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, temperature, priority, follow):
     """Enqueue PROMPT and print its job id, or create a batch of --file and print the batch id."""
     if (prompt is None) == (batch_file is None):
@@ -93,6 +94,7 @@ def status(redis_url, job_id):
 @main.command()
 @redis_url_option
 @click.argument("job_id")
+@replica_wait_options
 def cancel(redis_url, job_id):
     """Cancel a queued job, or stop a running one (its partial text is kept in its stream)."""
     cancelled = options.make_client(redis_url).cancel(job_id)

@@ -7,12 +7,13 @@ import functools
 import click
 
 from batcher import config as c
-from batcher import keys
+from batcher import durability, keys
 from batcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
 
 redis_url_option = click.option(
     "--redis-url", default=DEFAULT_REDIS_URL, envvar=REDIS_URL_ENV, show_default=True,
-    help="redis://[:password@]host:port/db, or rediss:// for TLS.")
+    help="redis://[:password@]host:port/db, rediss:// for TLS, or "
+         "redis+sentinel://[:password@]host:port[,host:port...]/service[/db] (rediss+sentinel:// for TLS).")
 queue_option = click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True, help="The queue to submit to.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
@@ -70,3 +71,26 @@ def engine_options(func):
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
+
+
+def replica_wait_options(func):
+    """Add --wait-replicas and --wait-timeout-ms to a command that writes what is acknowledged (enqueues, job
+    ends); they set this process's `batcher.durability` policy before the command runs."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        replicas, timeout_ms = kwargs.pop("wait_replicas"), kwargs.pop("wait_timeout_ms")
+        try:
+            policy = durability.ReplicaWait(None if replicas.strip().lower() == durability.AUTO else int(replicas),
+                                            timeout_ms)
+        except ValueError as exc:
+            raise click.BadParameter(f"--wait-replicas is a number or `auto`: {exc}") from None
+        durability.configure(policy)
+        return func(*args, **kwargs)
+
+    wrapper = click.option(
+        "--wait-timeout-ms", type=click.IntRange(1), default=durability.DEFAULT_TIMEOUT_MS, show_default=True,
+        envvar=durability.TIMEOUT_ENV, help="The longest a write waits for its replicas.")(wrapper)
+    return click.option(
+        "--wait-replicas", default=durability.AUTO, show_default=True, envvar=durability.REPLICAS_ENV,
+        help="Acknowledge an enqueue or a job's end once this many replicas hold it (WAIT); auto: 1 where the "
+             "primary has replicas, 0 where it has none.")(wrapper)

@@ -7,7 +7,7 @@ import os
 import click
 
 from batcher.cli.group import main
-from batcher.cli.options import queue_option, redis_url_option
+from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
 from batcher.client import DEFAULT_MAX_QUEUE_LENGTH
 from batcher.errors import BatcherError
 from batcher.files import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
@@ -36,6 +36,7 @@ from batcher.gateway.defaults import (
               envvar="BATCHER_MAX_REQUEST_BYTES", help="Largest JSON request body.")
 @click.option("--max-queue-length", type=click.IntRange(1), default=DEFAULT_MAX_QUEUE_LENGTH, show_default=True,
               envvar="BATCHER_MAX_QUEUE_LENGTH", help="Answer 429 rather than queue more jobs than this.")
+@replica_wait_options
 def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_lines, max_request_bytes,
           max_queue_length):
     """The OpenAI-compatible HTTP gateway: files, batches, completions (streamed too), models.
@@ -44,7 +45,6 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
     Each API key is a tenant that sees only its own files and batches."""
     try:
         import uvicorn
-        from redis.asyncio import Redis as AsyncRedis
 
         from batcher.gateway.app import GatewayConfig, create_app
         from batcher.gateway.auth import ApiKeys, check_bind
@@ -52,6 +52,7 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
         raise BatcherError(f"`batcher serve` needs the server extra (pip install 'batcher[server]'): {exc}") from None
     from batcher import keys
     from batcher.client import connect
+    from batcher.connection import connect_async
     from batcher.files import FileLimits
 
     api_keys = ApiKeys.load(os.environ.get(API_KEYS_ENV), api_keys_file)
@@ -62,7 +63,7 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
     config = GatewayConfig(queue=queue, api_keys=api_keys,
                            file_limits=FileLimits(max_bytes=max_file_bytes, max_lines=max_file_lines),
                            max_request_bytes=max_request_bytes, max_queue_length=max_queue_length)
-    app = create_app(config, connection, AsyncRedis.from_url(redis_url))
+    app = create_app(config, connection, connect_async(redis_url))
     click.echo(f"batcher gateway on http://{host}:{port} (queue {queue}, "
                f"{len(api_keys) or 'no'} API key{'' if len(api_keys) == 1 else 's'})", err=True)
     uvicorn.run(app, host=host, port=port)

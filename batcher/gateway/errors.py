@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 
 from batcher.batches.model import BatchInputError, BatchNotFound
 from batcher.client import QueueFull
+from batcher.durability import NotReplicated
 from batcher.files import FileNotFound, FileTooLarge
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,12 @@ async def _redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
                     code="redis_unreachable").response()
 
 
+async def _not_replicated(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s", exc)
+    return ApiError(503, "The request was queued, but no Redis replica confirmed it in time; it may be lost if Redis "
+                    "fails over now.", type=SERVER_ERROR, code="not_replicated").response()
+
+
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body("The gateway failed to handle the request.", SERVER_ERROR), status_code=500)
 
@@ -97,5 +104,6 @@ EXCEPTION_HANDLERS = {
     FileTooLarge: _file_too_large,
     RedisConnectionError: _redis_unreachable,
     RedisTimeoutError: _redis_unreachable,
+    NotReplicated: _not_replicated,
     Exception: _internal,
 }

@@ -7,6 +7,7 @@ client has already been sent when the job's worker is lost and another one start
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from redis.asyncio import Redis as AsyncRedis
@@ -15,7 +16,10 @@ from starlette.concurrency import run_in_threadpool
 from batcher import keys
 from batcher.client import POLL_S, Client
 from batcher.job_stream import AttemptFilter
+from batcher.redis_retry import retry_while_unreachable, retry_while_unreachable_async
 from batcher.schema import StreamEvent
+
+OUTAGE_WAIT_S = 30.0  # longer than a Sentinel failover takes (seconds); past it the stream ends with an error
 
 
 async def events(aconnection: AsyncRedis, client: Client, job_id: str) -> AsyncIterator[StreamEvent]:
@@ -23,10 +27,13 @@ async def events(aconnection: AsyncRedis, client: Client, job_id: str) -> AsyncI
     key = keys.stream_key(job_id)
     last_id, attempts = "0-0", AttemptFilter()
     while True:
-        reply = await aconnection.xread({key: last_id}, block=int(POLL_S * 1000))
+        deadline = time.monotonic() + OUTAGE_WAIT_S  # a Redis outage (a failover) is waited out, this long at most
+        reply = await retry_while_unreachable_async(aconnection.xread, {key: last_id}, block=int(POLL_S * 1000),
+                                                    deadline=deadline)
         if not reply:
-            end = await run_in_threadpool(client.inferred_end, job_id)
-            if end is not None and not await aconnection.xread({key: last_id}):
+            end = await run_in_threadpool(retry_while_unreachable, client.inferred_end, job_id, deadline=deadline)
+            if end is not None and not await retry_while_unreachable_async(aconnection.xread, {key: last_id},
+                                                                           deadline=deadline):
                 yield end
                 return
             continue

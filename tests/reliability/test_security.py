@@ -149,7 +149,7 @@ def tls_redis(tmp_path_factory):
 def test_rediss_urls_run_jobs_over_tls_and_check_the_certificate(tls_redis):
     server, cert = tls_redis
     url = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
-    assert connect(url).connection_pool.connection_class is SSLConnection
+    assert issubclass(connect(url).connection_pool.connection_class, SSLConnection)
     run_one_job_in_process(url, "tls")
     with pytest.raises(Exception, match="(?i)certificate|ssl"):  # an unknown CA is refused
         connect(f"rediss://127.0.0.1:{server.port}/0?ssl_cert_reqs=required").ping()
