@@ -21,7 +21,7 @@ from batcher.durability import ReplicaWait
 from tests.fake_engine import FakeEngine
 from tests.jobs_support import wait_for
 from tests.reliability.support import RedisServer
-from workers.rq_worker import BatchWorker
+from workers.worker import JobWorker
 
 QUEUE = "cost"
 WAIT_SAMPLES = 1000
@@ -69,7 +69,7 @@ def main() -> None:
             client = Client(connection, queue=QUEUE)
             request = {"prompt": "x", "sampling": {"max_tokens": args.tokens}}
             enqueue = phase(connection, lambda: [client.submit(request) for _ in range(args.jobs)])
-            worker = BatchWorker(keys.priority_queue_names([QUEUE]), FakeEngine(max_num_seqs=args.slots),
+            worker = JobWorker(keys.priority_queue_names([QUEUE]), FakeEngine(max_num_seqs=args.slots),
                                  connection=primary.connection())
             serve = phase(connection, lambda: worker.work(burst=True))
             for name, (calls, cpu, wall) in (("enqueue (Client.submit)", enqueue), ("serve (worker)", serve)):
