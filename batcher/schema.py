@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from batcher import constraints
+
 MAX_PROMPT_BYTES = 1 << 20
 MAX_PROMPT_TOKEN_IDS = 1 << 17
 MAX_TOKENS_LIMIT = 1 << 15
@@ -21,6 +23,7 @@ MAX_METADATA_ITEMS = 64
 MAX_MODEL_NAME_CHARS = 256
 MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
+MAX_SCHEMA_NAME_CHARS = 64
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
@@ -72,6 +75,40 @@ class BatchItem(_Strict):
     custom_id: str | None = Field(None, max_length=MAX_CUSTOM_ID_CHARS)
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`. Answers always follow the schema: `strict` is accepted and
+    changes nothing (a schema the grammar library cannot honour exactly is refused instead)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+
+    name: str = Field(min_length=1, max_length=MAX_SCHEMA_NAME_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="None: any JSON value")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free `text`, any JSON object (`json_object`), or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar of the format (None for text); InvalidConstraint if it cannot be honoured."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return constraints.json_schema_grammar(constraints.ANY_JSON_OBJECT)
+        schema = self.json_schema.schema_
+        return constraints.json_schema_grammar({} if schema is None else schema)
+
+
 class GenerationRequest(_Strict):
     """One generation: exactly one of `prompt`, `messages` or `prompt_token_ids`.
 
@@ -90,6 +127,38 @@ class GenerationRequest(_Strict):
     model: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     chat: bool = False
     batch: BatchItem | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, min_length=1, description="the whole answer matches this regex")
+    choice: list[str] | None = Field(None, description="the whole answer is one of these strings")
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_honoured(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None:
+            value.grammar()
+        return value
+
+    @field_validator("regex")
+    @classmethod
+    def _regex_honoured(cls, value: str | None) -> str | None:
+        if value is not None:
+            constraints.regex_grammar(value)
+        return value
+
+    @field_validator("choice")
+    @classmethod
+    def _choice_honoured(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            constraints.choice_grammar(value)
+        return value
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar the answer must follow, or None when it is free text."""
+        if self.regex is not None:
+            return constraints.regex_grammar(self.regex)
+        if self.choice is not None:
+            return constraints.choice_grammar(self.choice)
+        return None if self.response_format is None else self.response_format.grammar()
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -109,6 +178,13 @@ class GenerationRequest(_Strict):
         size += sum(len(m.content.encode("utf-8", "surrogatepass")) for m in self.messages or ())
         if size > MAX_PROMPT_BYTES:
             raise ValueError(f"the prompt is {size} bytes; the limit is {MAX_PROMPT_BYTES}")
+        constrained = [n for n in ("regex", "choice") if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            constrained.append("response_format")
+        if len(constrained) > 1:
+            raise ValueError(f"give at most one of response_format, regex or choice (got {', '.join(constrained)})")
+        if constrained and self.sampling.ignore_eos:
+            raise ValueError(f"ignore_eos cannot go with {constrained[0]}: a constrained answer ends with its grammar")
         return self
 
 

@@ -6,7 +6,7 @@ import sys
 CORE_MODULES = ["batcher", "batcher.schema", "batcher.config", "batcher.scheduler", "batcher.blocks", "batcher.keys",
                 "batcher.jobs", "batcher.client", "batcher.admin", "batcher.redis_retry", "batcher.worker_stats",
                 "batcher.batches", "batcher.batch_scripts", "batcher.feed", "batcher.errors", "batcher.job_stream", "batcher.openai_batch",
-                "batcher.files", "batcher.cli", "batcher.gateway.app"]
+                "batcher.files", "batcher.cli", "batcher.gateway.app", "batcher.constraints"]
 
 
 def test_core_imports_without_torch():

@@ -24,6 +24,7 @@ from workers.engine_api import RequestError, RequestOutput, StepStats
 from workers.models import LoadedModel
 from workers.runner import ModelRunner
 from workers.sampling import Sampler
+from workers.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Engine:
         allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, allocator, loaded.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.runner.device)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         self.step_index = 0
         self.last_step: StepStats | None = None
         self._requests: dict[str, _Request] = {}
@@ -61,6 +63,7 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         prompt_ids = self.tokenize(request)
         self._check_servable(prompt_ids, request)
+        self.grammars.admit(request_id, request)
         seq = Sequence(request_id, prompt_ids, request.sampling,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, request.sampling.stop)
@@ -199,14 +202,16 @@ class Engine:
     @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         logits, seqs = self.runner.execute(batch)
+        self.grammars.mask(logits, seqs)
         return dict(zip(seqs, self.sampler.sample(logits, seqs)))
 
     def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
-        """Detokenize the token the scheduler took; a stop string ends the request here."""
+        """Detokenize the token the scheduler took; a stop string or a complete grammar ends the request here."""
         seq = req.seq
+        grammar_complete = self.grammars.advance(seq)
         req.new_token_ids.append(token)
         req.delta_text += req.detokenizer.push(token)
-        if req.detokenizer.stopped:
+        if req.detokenizer.stopped or grammar_complete:
             if not finished:
                 self.scheduler.finish(seq, "stop")
             seq.finish_reason, finished = "stop", True  # a stop string names the reason, even on the last token
@@ -245,6 +250,7 @@ class Engine:
         """Drop the engine's per-request helpers of a sequence the scheduler has finished."""
         req.seq.finished_step = self.step_index
         self.sampler.forget(req.seq.request_id)
+        self.grammars.forget(req.seq.request_id)
         del self._requests[req.seq.request_id]
 
 

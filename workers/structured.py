@@ -1,0 +1,146 @@
+"""Constrained decoding in the engine: each constrained sequence's grammar state, and the token mask.
+
+The engine calls four hooks, none of which costs anything while no sequence is constrained:
+- `admit` at `Engine.add`: compile the request's grammar (batcher/constraints.py) against the tokenizer,
+  from a cache keyed by the grammar, within COMPILE_TIMEOUT_S (past it, that request alone fails);
+- `mask` between the forward and the sampler: llguidance fills one bitmask row per constrained sequence
+  (in parallel, without the GIL), and one vectorised op sends every token the grammar forbids to -inf;
+- `advance` when the scheduler took a sampled token: the grammar state consumes the sequence's output
+  tokens it has not seen, and says when the grammar is complete (the answer then ends with `stop`, as at
+  a stop string). It is driven by the output tokens alone, so a fresh state replays them; a preempted
+  sequence keeps its state, since recomputation does not change its output;
+- `forget` when the request ends.
+
+A grammar that may go on (an array below its maxItems) allows EOS where it may end; one that is complete
+ends the answer at once. A cut by `max_tokens` ends it with `length` as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from batcher.scheduler import Sequence
+from batcher.schema import GenerationRequest
+from workers.engine_api import RequestError
+
+log = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 2.0
+COMPILE_THREADS = 2  # a compile past its bound keeps its thread until llguidance's own limits stop it
+COMPILE_CACHE_SIZE = 128
+BITS = 32  # tokens per bitmask word
+
+
+@dataclass
+class GrammarState:
+    matcher: llguidance.LLMatcher
+    consumed: int = 0  # output tokens the matcher has seen
+
+
+class Grammars:
+    """The grammars of one engine's constrained sequences, keyed by request id."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (about a second)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._states: dict[str, GrammarState] = {}
+        self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+        words = (vocab_size + BITS - 1) // BITS
+        self._bitmask = torch.zeros((0, words), dtype=torch.int32)
+        self._shifts = torch.arange(BITS, dtype=torch.int32)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def admit(self, request_id: str, request: GenerationRequest) -> None:
+        """Compile the request's grammar (if it has one) and give it a fresh state; RequestError if it cannot."""
+        try:
+            grammar = request.grammar()
+        except ValueError as exc:  # a job validated by an older client, or built without validation
+            raise RequestError(str(exc)) from None
+        if grammar is not None:
+            self._states[request_id] = GrammarState(self._compile(grammar).deep_copy())
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def advance(self, seq: Sequence) -> bool:
+        """Feed the sequence's new output tokens to its grammar; True once the grammar is complete (the answer
+        ends there). RequestError if the grammar refuses a token."""
+        state = self._states.get(seq.request_id)
+        if state is None:
+            return False
+        matcher = state.matcher
+        for token in seq.output_token_ids[state.consumed:]:
+            state.consumed += 1
+            if matcher.is_stopped():  # only an EOS can follow a complete grammar
+                break
+            if not matcher.consume_token(token) or matcher.is_error():
+                raise RequestError(f"the answer left its grammar: {matcher.get_error()}")
+        return matcher.is_stopped()
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Send the logits of tokens that the grammars forbid to -inf, in place (row i is `seqs[i]`)."""
+        if not self._states:
+            return
+        rows = [i for i, seq in enumerate(seqs) if seq.request_id in self._states]
+        if not rows:
+            return
+        for i in rows:
+            self.advance(seqs[i])
+        bitmask = self._rows(len(rows))
+        self._executor.unsafe_compute_mask_ptr(
+            [(self._states[seqs[i].request_id].matcher, j) for j, i in enumerate(rows)],
+            bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), len(rows))
+        vocab = logits.shape[1]
+        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    # ----- helpers -----
+    def _rows(self, n: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < n:
+            self._bitmask = torch.zeros((n, self._bitmask.shape[1]), dtype=torch.int32)
+        return self._bitmask[:n]
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        """The compiled grammar (a matcher at its start, copied for each sequence), from the cache if there."""
+        compiled = self._compiled.get(grammar)
+        if compiled is not None:
+            self._compiled.move_to_end(grammar)
+            return compiled
+        tokenizer = self._llg_tokenizer()
+        future = self._compiler.submit(llguidance.LLMatcher, tokenizer, grammar, log_level=0)
+        try:
+            compiled = future.result(timeout=COMPILE_TIMEOUT_S)
+        except FutureTimeout:
+            raise RequestError(f"response_format: the grammar took more than {COMPILE_TIMEOUT_S:g} s to compile; "
+                               "simplify the schema") from None
+        if compiled.is_error():
+            raise RequestError(f"response_format: the grammar cannot be compiled: {compiled.get_error()}")
+        self._compiled[grammar] = compiled
+        if len(self._compiled) > COMPILE_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=self._eos or None)
+            except Exception as exc:  # noqa: BLE001  (a slow or odd tokenizer: no constraints on this model)
+                raise RequestError(f"this model's tokenizer cannot run constrained decoding: {exc}") from None
+        return self._tokenizer
