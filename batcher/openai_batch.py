@@ -20,6 +20,7 @@ COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                    "repetition_penalty")
+CONSTRAINT_FIELDS = ("response_format", "regex", "choice")  # regex and choice: vLLM's extras
 IGNORED_BODY_FIELDS = ("n", "stream", "user")
 ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
 MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
@@ -81,8 +82,9 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     is not ours to honour is refused rather than silently ignored."""
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
-    unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - set(extra_fields) - {
-        "prompt", "messages", "model", "max_completion_tokens"}
+    known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields,
+             "prompt", "messages", "model", "max_completion_tokens"}
+    unknown = set(body) - known
     if unknown:
         raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     if body.get("n", 1) != 1:
@@ -92,6 +94,7 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         request["sampling"]["max_tokens"] = body["max_completion_tokens"]
     if body.get("model") is not None:
         request["model"] = body["model"]
+    request.update({k: body[k] for k in CONSTRAINT_FIELDS if body.get(k) is not None})
     if url == CHAT_URL:
         request["messages"] = body.get("messages")
     else:

@@ -38,6 +38,11 @@ COMPILE_CACHE_SIZE = 128
 BITS = 32  # tokens per bitmask word
 
 
+def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A matcher at the start of `grammar` (llguidance compiles as it builds one, without the GIL)."""
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+
+
 @dataclass
 class GrammarState:
     matcher: llguidance.LLMatcher
@@ -121,7 +126,7 @@ class Grammars:
             self._compiled.move_to_end(grammar)
             return compiled
         tokenizer = self._llg_tokenizer()
-        future = self._compiler.submit(llguidance.LLMatcher, tokenizer, grammar, log_level=0)
+        future = self._compiler.submit(compile_grammar, tokenizer, grammar)
         try:
             compiled = future.result(timeout=COMPILE_TIMEOUT_S)
         except FutureTimeout:
