@@ -1,0 +1,97 @@
+"""Structured outputs end to end through the official `openai` SDK: a real `batcher serve`, a real worker on a tiny
+random model (which writes JSON only because its grammar forces it to) and the real Redis."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.e2e.test_gateway import KEY_A, MODEL, gateway, sdk, wait_for_batch, workers  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.timeout(300)
+TICKET = {"type": "object", "additionalProperties": False, "required": ["title", "priority", "tags"],
+          "properties": {"title": {"type": "string", "maxLength": 12},
+                         "priority": {"enum": ["low", "high"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+                         "estimate": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 40}, {"type": "null"}]}}}
+MESSAGES = [{"role": "user", "content": "File a ticket about the queue"}]
+
+
+class Summary(BaseModel):
+    title: str = Field(max_length=16)
+    bullets: list[Annotated[str, Field(max_length=12)]] = Field(max_length=2)
+    label: bool
+
+
+def schema_format(schema: dict, name: str = "ticket") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_parse_with_a_pydantic_model_gives_an_instance(gateway):
+    base, _, _ = gateway
+    completion = sdk(base, KEY_A).chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Summary,
+                                                         max_tokens=200, temperature=0.0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Summary)
+    assert Summary.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_schema_and_json_object_answers_parse_streamed_or_not(gateway):
+    base, _, _ = gateway
+    client = sdk(base, KEY_A)
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=schema_format(TICKET),
+                                            max_tokens=200, temperature=1.0, seed=3)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), TICKET)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=schema_format(TICKET),
+                                            max_tokens=200, temperature=1.0, seed=3, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+    as_object = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300,
+                                               response_format={"type": "json_object"})
+    text = as_object.choices[0].message.content
+    assert text.startswith("{")
+    if as_object.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, extra_body={"regex": "[A-Z]{3}-[0-9]{2}"})
+    assert regex.choices[0].finish_reason == "stop" and len(regex.choices[0].text) == 6
+
+
+@pytest.mark.parametrize("response_format", [
+    schema_format({"type": "string", "not": {"const": "x"}}),
+    schema_format({"$ref": "#/$defs/missing"}),
+    {"type": "json_schema"},
+    {"type": "yaml"},
+])
+def test_an_invalid_or_unsupported_schema_answers_400_naming_response_format(gateway, response_format):
+    base, _, _ = gateway
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(base, KEY_A).chat.completions.create(model=MODEL, messages=MESSAGES, response_format=response_format)
+    assert caught.value.param == "response_format" and "response_format" in caught.value.message
+
+
+def test_a_batch_whose_lines_carry_schemas_answers_json_and_a_bad_schema_is_an_error_line(gateway):
+    base, _, _ = gateway
+    client = sdk(base, KEY_A)
+    schemas = [TICKET, {**Summary.model_json_schema(), "additionalProperties": False}, {"type": "string", "not": {}}, {"enum": ["yes", "no"]}]
+    lines = [json.dumps({"custom_id": f"s{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0.7,
+                                  "seed": i, "response_format": schema_format(schema, f"s{i}")}})
+             for i, schema in enumerate(schemas)]
+    uploaded = client.files.create(file=("schemas.jsonl", "\n".join(lines).encode()), purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    done = wait_for_batch(client, created.id, ("completed", "failed", "expired", "cancelled"))
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+    output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    for line in output:
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", line
+        jsonschema.validate(json.loads(choice["message"]["content"]), schemas[int(line["custom_id"][1:])])
+    (error,) = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "s2" and "response_format" in error["error"]["message"]
