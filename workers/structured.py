@@ -36,6 +36,7 @@ COMPILE_TIMEOUT_S = 2.0
 COMPILE_THREADS = 2  # a compile past its bound keeps its thread until llguidance's own limits stop it
 COMPILE_CACHE_SIZE = 128
 BITS = 32  # tokens per bitmask word
+BITS_PER_BYTE = 8
 
 
 def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
@@ -63,7 +64,7 @@ class Grammars:
         self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
         words = (vocab_size + BITS - 1) // BITS
         self._bitmask = torch.zeros((0, words), dtype=torch.int32)
-        self._shifts = torch.arange(BITS, dtype=torch.int32)
+        self._shifts = torch.arange(BITS_PER_BYTE, dtype=torch.uint8)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
@@ -108,12 +109,19 @@ class Grammars:
         self._executor.unsafe_compute_mask_ptr(
             [(self._states[seqs[i].request_id].matcher, j) for j, i in enumerate(rows)],
             bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), len(rows))
-        vocab = logits.shape[1]
-        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        forbidden = self._forbidden(bitmask, logits.shape[1]).to(logits.device)
+        if len(rows) == len(seqs):  # every row constrained: one in-place pass over the logits
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
     # ----- helpers -----
+    def _forbidden(self, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+        """[n, vocab] bool, True where the bitmask's bit is clear (bit t%8 of byte t//8, little-endian words)."""
+        as_bytes = bitmask.view(torch.uint8)
+        return ((as_bytes.unsqueeze(-1) >> self._shifts) & 1).view(len(bitmask), -1)[:, :vocab] == 0
+
     def _rows(self, n: int) -> torch.Tensor:
         if self._bitmask.shape[0] < n:
             self._bitmask = torch.zeros((n, self._bitmask.shape[1]), dtype=torch.int32)
