@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from batcher.openai_logprobs import LogprobsError, chat_logprobs, completion_logprobs, requested
 from batcher.schema import GenerationRequest, GenerationResult, Usage
 
 COMPLETIONS_URL = "/v1/completions"
@@ -82,7 +83,8 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     is not ours to honour is refused rather than silently ignored."""
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
-    known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields,
+    logprob_fields = ("logprobs", "top_logprobs") if url == CHAT_URL else ("logprobs",)
+    known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *logprob_fields,
              "prompt", "messages", "model", "max_completion_tokens"}
     unknown = set(body) - known
     if unknown:
@@ -92,6 +94,10 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
     if "max_completion_tokens" in body:  # the chat endpoint's newer name for max_tokens
         request["sampling"]["max_tokens"] = body["max_completion_tokens"]
+    try:
+        request["sampling"]["logprobs"] = requested(body, url == CHAT_URL)
+    except LogprobsError as exc:
+        raise BodyError(str(exc), param=exc.param) from None
     if body.get("model") is not None:
         request["model"] = body["model"]
     request.update({k: body[k] for k in CONSTRAINT_FIELDS if body.get(k) is not None})
@@ -153,11 +159,11 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
     finish_reason = openai_finish_reason(result.finish_reason)
     if endpoint == CHAT_URL:
         choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": finish_reason}
+                  "logprobs": chat_logprobs(result.logprobs), "finish_reason": finish_reason}
         body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": result.text, "token_ids": result.token_ids, "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {"index": 0, "text": result.text, "token_ids": result.token_ids,
+                  "logprobs": completion_logprobs(result.logprobs), "finish_reason": finish_reason}
         body = {"id": f"{COMPLETION_ID_PREFIX}{request_id}", "object": "text_completion"}
     body.update(created=created, model=result.model, choices=[choice], usage=usage)
     return body

@@ -24,6 +24,7 @@ MAX_MODEL_NAME_CHARS = 256
 MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
 MAX_SCHEMA_NAME_CHARS = 64
+MAX_TOP_LOGPROBS = 20
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
@@ -43,6 +44,8 @@ class SamplingParams(_Strict):
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="report each token's logprob and this many most likely alternatives")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -206,6 +209,24 @@ class Timings(_Strict):
     total_s: float | None = None
 
 
+class TopLogprob(_Strict):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(_Strict):
+    """One generated token's log-probability, and the most likely alternatives at its position.
+
+    The distribution is the model's log-softmax at that position, over the tokens the request's grammar allows
+    (all of them without a constraint), before repetition penalty, temperature, top-k and top-p: what the
+    model thinks, not how the token was drawn. `token` is the token decoded alone (a token inside a multi-byte
+    character decodes to U+FFFD)."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class GenerationResult(_Strict):
     text: str
     token_ids: list[int]
@@ -214,6 +235,7 @@ class GenerationResult(_Strict):
     timings: Timings = Field(default_factory=Timings)
     worker: str | None = None
     model: str | None = None
+    logprobs: list[TokenLogprob] | None = Field(None, description="one per token, when the request asked")
 
 
 StreamEventType = Literal["start", "token", "done", "error", "restart"]
@@ -241,6 +263,7 @@ class StreamEvent(BaseModel):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = Field(None, description="of `token_ids`, when the request asked")
 
     @property
     def terminal(self) -> bool:

@@ -18,9 +18,10 @@ import torch
 from batcher.blocks import BlockAllocator, PrefixCacheStats, blocks_needed
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
-from batcher.schema import GenerationRequest, SamplingParams
+from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from workers.detokenize import IncrementalDetokenizer
 from workers.engine_api import RequestError, RequestOutput, StepStats
+from workers.logprobs import Logprobs
 from workers.models import LoadedModel
 from workers.runner import ModelRunner
 from workers.sampling import Sampler
@@ -39,6 +40,8 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     new_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # all of them, when the request asked
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Engine:
@@ -52,6 +55,7 @@ class Engine:
         self.scheduler = Scheduler(config, allocator, loaded.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.runner.device)
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self.logprobs = Logprobs(loaded.tokenizer)
         self.step_index = 0
         self.last_step: StepStats | None = None
         self._requests: dict[str, _Request] = {}
@@ -67,7 +71,7 @@ class Engine:
         seq = Sequence(request_id, prompt_ids, request.sampling,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, request.sampling.stop)
-        self._requests[request_id] = _Request(seq, detok)
+        self._requests[request_id] = _Request(seq, detok, logprobs=None if request.sampling.logprobs is None else [])
         self.scheduler.add(seq)
         return seq
 
@@ -203,13 +207,20 @@ class Engine:
     def _forward(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         logits, seqs = self.runner.execute(batch)
         self.grammars.mask(logits, seqs)
-        return dict(zip(seqs, self.sampler.sample(logits, seqs)))
+        captured = self.logprobs.capture(logits, seqs)
+        tokens = self.sampler.sample(logits, seqs)
+        self.logprobs.record(captured, seqs, tokens)
+        return dict(zip(seqs, tokens))
 
     def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
         """Detokenize the token the scheduler took; a stop string or a complete grammar ends the request here."""
         seq = req.seq
         grammar_complete = self.grammars.advance(seq)
         req.new_token_ids.append(token)
+        logprob = self.logprobs.pop(seq.request_id)
+        if logprob is not None:
+            req.new_logprobs.append(logprob)
+            req.logprobs.append(logprob)
         req.delta_text += req.detokenizer.push(token)
         if req.detokenizer.stopped or grammar_complete:
             if not finished:
@@ -232,8 +243,10 @@ class Engine:
             num_cached_tokens=req.seq.num_cached_tokens,
             finish_reason=finish_reason,
             error=error,
+            new_logprobs=None if req.logprobs is None else req.new_logprobs,
+            logprobs=req.logprobs,
         )
-        req.new_token_ids, req.delta_text = [], ""
+        req.new_token_ids, req.delta_text, req.new_logprobs = [], "", []
         return out
 
     def _finish(self, req: _Request, reason: str) -> RequestOutput:
@@ -251,6 +264,7 @@ class Engine:
         req.seq.finished_step = self.step_index
         self.sampler.forget(req.seq.request_id)
         self.grammars.forget(req.seq.request_id)
+        self.logprobs.pop(req.seq.request_id)
         del self._requests[req.seq.request_id]
 
 

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 from batcher.blocks import PrefixCacheStats
 from batcher.scheduler import Sequence
-from batcher.schema import GenerationRequest, GenerationResult, Timings, Usage
+from batcher.schema import GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
 
 
 class RequestError(ValueError):
@@ -31,6 +31,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     finish_reason: str | None = None
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
+    logprobs: list[TokenLogprob] | None = None  # of token_ids
 
     @property
     def finished(self) -> bool:
@@ -48,6 +50,7 @@ class RequestOutput:
             timings=timings or Timings(),
             worker=worker,
             model=model,
+            logprobs=self.logprobs,
         )
 
 

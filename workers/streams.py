@@ -27,7 +27,7 @@ from redis import Redis
 
 from batcher import keys
 from batcher.job_stream import STREAM_MAXLEN, ttl_arg
-from batcher.schema import STREAM_FIELD, FinishReason, StreamEvent, Usage
+from batcher.schema import STREAM_FIELD, FinishReason, StreamEvent, TokenLogprob, Usage
 
 STREAM_FLUSH_S = 0.02  # a token waits in the buffer this long at most (or one step): no reader notices
 KEEP_TTL = ""  # a write that leaves the stream's TTL as it is
@@ -122,18 +122,23 @@ class StreamWriter:
         attempt.add(StreamEvent(type="start", execution_id=execution_id))
         attempt.ttl = ttl_arg(ttl)
 
-    def token(self, execution_id: str, text: str, token_ids: list[int], index: int) -> None:
-        """New tokens; merged into the execution's last buffered token event when that one was never sent."""
+    def token(self, execution_id: str, text: str, token_ids: list[int], index: int,
+              logprobs: list[TokenLogprob] | None = None) -> None:
+        """New tokens (and their logprobs, when asked); merged into the execution's last buffered token event
+        when that one was never sent."""
         attempt = self._attempts[execution_id]
         if len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token":
             event_id, last = attempt.events.pop()
             text, token_ids, index = last.text + text, last.token_ids + token_ids, last.index
+            if last.logprobs is not None:
+                logprobs = last.logprobs + (logprobs or [])
             attempt.events.append((event_id, StreamEvent.model_construct(
-                type="token", execution_id=attempt.execution_id, text=text, token_ids=token_ids, index=index)))
+                type="token", execution_id=attempt.execution_id, text=text, token_ids=token_ids, index=index,
+                logprobs=logprobs)))
             return
         # Built without validation: the worker's own values, on every step's hot path. No TTL change.
         attempt.add(StreamEvent.model_construct(type="token", execution_id=attempt.execution_id, text=text,
-                                                token_ids=token_ids, index=index))
+                                                token_ids=token_ids, index=index, logprobs=logprobs))
 
     def done(self, execution_id: str, finish_reason: FinishReason, usage: Usage | None, ttl: int | None) -> None:
         attempt = self._attempts[execution_id]

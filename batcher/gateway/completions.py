@@ -36,7 +36,8 @@ from batcher.gateway.body import read_json
 from batcher.gateway.errors import NO_RETRY, SERVER_ERROR, ApiError, error_body
 from batcher.openai_batch import (CHAT_ID_PREFIX, CHAT_URL, COMPLETION_ID_PREFIX, COMPLETIONS_URL, BodyError,
                                   openai_finish_reason, parse_body, response_body, usage_body)
-from batcher.schema import GenerationRequest, Usage
+from batcher.openai_logprobs import chat_logprobs, completion_logprobs
+from batcher.schema import GenerationRequest, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class Chunks:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": model}
         self.include_usage = include_usage
+        self._text_offset = 0  # of the next token, for completions' logprobs
 
     def _event(self, choices: list[dict], **extra) -> bytes:
         chunk = {**self.head, "choices": choices, **extra}
@@ -171,20 +173,23 @@ class Chunks:
             chunk.setdefault("usage", None)
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                logprobs: list[TokenLogprob] | None = None) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
             if role:
                 delta = {"role": "assistant", "content": ""}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
+        shaped = completion_logprobs(logprobs, self._text_offset)
+        self._text_offset += sum(len(lp.token) for lp in logprobs or ())
+        return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
 
     def opening(self) -> bytes | None:
         """The chat stream's first chunk names the role, as OpenAI's does; a completion stream has none."""
         return self._event([self._choice(None, None, role=True)]) if self.chat else None
 
-    def text(self, delta: str) -> bytes:
-        return self._event([self._choice(delta, None)])
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        return self._event([self._choice(delta, None, logprobs=logprobs)])
 
     def finish(self, reason: str) -> bytes:
         return self._event([self._choice(None, openai_finish_reason(reason))])
@@ -202,6 +207,7 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
     app.state.metrics.streams.inc()
     ended = False
     relay = jobs.TextRelay()
+    attempt_logprobs: list[TokenLogprob] = []  # of the current attempt's tokens, from its first
     try:
         opening = chunks.opening()
         if opening is not None:
@@ -209,10 +215,14 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
         async for event in jobs.events(app.state.aconnection, app.state.client, job_id):
             if event.type == "restart":
                 relay.restart()
+                attempt_logprobs = []
             elif event.type == "token":
+                sent = len(relay.token_ids)
                 delta = relay.delta(event)
-                if delta:
-                    yield chunks.text(delta)
+                attempt_logprobs += event.logprobs or []
+                new_logprobs = attempt_logprobs[sent:len(relay.token_ids)] if event.logprobs is not None else None
+                if delta or new_logprobs:
+                    yield chunks.text(delta, new_logprobs)
             elif event.type == "done":
                 relay.check_end()
                 ended = True

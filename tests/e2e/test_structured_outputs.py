@@ -95,3 +95,46 @@ def test_a_batch_whose_lines_carry_schemas_answers_json_and_a_bad_schema_is_an_e
         jsonschema.validate(json.loads(choice["message"]["content"]), schemas[int(line["custom_id"][1:])])
     (error,) = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
     assert error["custom_id"] == "s2" and "response_format" in error["error"]["message"]
+
+
+def test_logprobs_name_the_greedy_token_first_streamed_or_not_and_in_batch_lines(gateway):
+    base, _, _ = gateway
+    client = sdk(base, KEY_A)
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                            logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens == 8
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == token.logprob <= 0
+        assert token.logprob >= token.top_logprobs[1].logprob >= token.top_logprobs[2].logprob
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]  # (a cached prompt may move a last digit)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+
+    legacy = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=5, logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(top) <= 2 and max(top.values()) == chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    without = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert without.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=21)
+    assert caught.value.param == "top_logprobs"
+
+    line = json.dumps({"custom_id": "lp", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "ignore_eos": True,
+                                "logprobs": True, "top_logprobs": 3}})
+    uploaded = client.files.create(file=("logprobs.jsonl", line.encode()), purpose="batch")
+    done = wait_for_batch(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                        completion_window="24h").id,
+                          ("completed", "failed", "expired", "cancelled"))
+    (output,) = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    batch_content = output["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in batch_content] == [t.token for t in content]
+    assert [t["logprob"] for t in batch_content] == pytest.approx([t.logprob for t in content], abs=1e-4)
