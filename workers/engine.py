@@ -205,6 +205,7 @@ class Engine:
 
     @torch.inference_mode()
     def _forward(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        self.grammars.begin(batch)
         logits, seqs = self.runner.execute(batch)
         self.grammars.mask(logits, seqs)
         captured = self.logprobs.capture(logits, seqs)

@@ -1,10 +1,12 @@
 """Constrained decoding in the engine: each constrained sequence's grammar state, and the token mask.
 
-The engine calls four hooks, none of which costs anything while no sequence is constrained:
+The engine calls five hooks, none of which costs anything while no sequence is constrained:
 - `admit` at `Engine.add`: compile the request's grammar (batcher/constraints.py) against the tokenizer,
   from a cache keyed by the grammar, within COMPILE_TIMEOUT_S (past it, that request alone fails);
-- `mask` between the forward and the sampler: llguidance fills one bitmask row per constrained sequence
-  (in parallel, without the GIL), and one vectorised op sends every token the grammar forbids to -inf;
+- `begin` before the forward: on the mask thread, llguidance fills one bitmask row per constrained sequence
+  that samples this step (without the GIL), unpacked into a [rows, vocab] bool, while the forward runs;
+- `mask` between the forward and the sampler: waits for those rows, and one vectorised op sends every
+  token the grammars forbid to -inf;
 - `advance` when the scheduler took a sampled token: the grammar state consumes the sequence's output
   tokens it has not seen, and says when the grammar is complete (the answer then ends with `stop`, as at
   a stop string). It is driven by the output tokens alone, so a fresh state replays them; a preempted
@@ -19,14 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import llguidance
 import torch
 
-from batcher.scheduler import Sequence
+from batcher.scheduler import ScheduledBatch, Sequence
 from batcher.schema import GenerationRequest
 from workers.engine_api import RequestError
 
@@ -62,8 +64,9 @@ class Grammars:
         self._states: dict[str, GrammarState] = {}
         self._compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
-        words = (vocab_size + BITS - 1) // BITS
-        self._bitmask = torch.zeros((0, words), dtype=torch.int32)
+        self._words = (vocab_size + BITS - 1) // BITS
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._pending: tuple[list[Sequence], Future] | None = None  # the masks `begin` started
         self._shifts = torch.arange(BITS_PER_BYTE, dtype=torch.uint8)
 
     def __contains__(self, request_id: str) -> bool:
@@ -96,20 +99,26 @@ class Grammars:
                 raise RequestError(f"the answer left its grammar: {matcher.get_error()}")
         return matcher.is_stopped()
 
-    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Send the logits of tokens that the grammars forbid to -inf, in place (row i is `seqs[i]`)."""
+    def begin(self, batch: ScheduledBatch) -> None:
+        """Start computing the masks of the constrained sequences that sample in `batch`, on the mask thread,
+        while the forward runs (llguidance drops the GIL): a step then waits only for what is left of it."""
         if not self._states:
             return
-        rows = [i for i, seq in enumerate(seqs) if seq.request_id in self._states]
-        if not rows:
+        seqs = [seq for seq in batch.num_tokens if seq.request_id in self._states and batch.samples(seq)]
+        self._pending = (seqs, self._mask_thread.submit(self._forbidden, seqs)) if seqs else None
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Send the logits of tokens that the grammars forbid to -inf, in place (row i is `seqs[i]`)."""
+        if self._pending is None:
             return
-        for i in rows:
-            self.advance(seqs[i])
-        bitmask = self._rows(len(rows))
-        self._executor.unsafe_compute_mask_ptr(
-            [(self._states[seqs[i].request_id].matcher, j) for j, i in enumerate(rows)],
-            bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), len(rows))
-        forbidden = self._forbidden(bitmask, logits.shape[1]).to(logits.device)
+        (begun, future), self._pending = self._pending, None
+        forbidden = future.result()
+        position = {seq.request_id: j for j, seq in enumerate(begun)}
+        rows = [i for i, seq in enumerate(seqs) if seq.request_id in position]
+        order = [position[seqs[i].request_id] for i in rows]
+        if order != list(range(len(begun))):
+            forbidden = forbidden[order]
+        forbidden = forbidden.to(logits.device)
         if len(rows) == len(seqs):  # every row constrained: one in-place pass over the logits
             logits.masked_fill_(forbidden, float("-inf"))
         else:
@@ -117,15 +126,16 @@ class Grammars:
             logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
     # ----- helpers -----
-    def _forbidden(self, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-        """[n, vocab] bool, True where the bitmask's bit is clear (bit t%8 of byte t//8, little-endian words)."""
-        as_bytes = bitmask.view(torch.uint8)
-        return ((as_bytes.unsqueeze(-1) >> self._shifts) & 1).view(len(bitmask), -1)[:, :vocab] == 0
-
-    def _rows(self, n: int) -> torch.Tensor:
-        if self._bitmask.shape[0] < n:
-            self._bitmask = torch.zeros((n, self._bitmask.shape[1]), dtype=torch.int32)
-        return self._bitmask[:n]
+    def _forbidden(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), vocab] bool, True where a sequence's grammar forbids the token (on the mask thread)."""
+        for seq in seqs:
+            self.advance(seq)
+        bitmask = torch.empty((len(seqs), self._words), dtype=torch.int32)
+        matchers = [(self._states[seq.request_id].matcher, j) for j, seq in enumerate(seqs)]
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), self._words * bitmask.element_size(),
+                                               len(seqs))
+        as_bytes = bitmask.view(torch.uint8)  # token t is bit t%8 of byte t//8 (little-endian words)
+        return ((as_bytes.unsqueeze(-1) >> self._shifts) & 1).view(len(seqs), -1)[:, :self.vocab_size] == 0
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         """The compiled grammar (a matcher at its start, copied for each sequence), from the cache if there."""
