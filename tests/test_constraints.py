@@ -10,7 +10,13 @@ from pydantic import ValidationError
 
 from batcher.client import Client
 from batcher.constraints import InvalidConstraint
-from batcher.openai_batch import CHAT_URL, BatchLineError, BodyError, parse_batch_line, parse_body
+from batcher.openai_batch import (
+    CHAT_URL,
+    BatchLineError,
+    BodyError,
+    parse_batch_line,
+    parse_body,
+)
 from batcher.schema import GenerationRequest
 from tests.jobs_support import claim_database, release_database
 
@@ -70,7 +76,7 @@ def test_bad_constraints_in_a_body_are_400s_with_a_reason(fields, param):
 
 def test_a_batch_line_with_a_bad_schema_is_that_lines_error_and_a_good_one_parses():
     good = {"messages": MESSAGES, "response_format": schema_format(SCHEMA)}
-    custom_id, request = parse_batch_line(json.dumps({"custom_id": "ok", "url": CHAT_URL, "body": good}))
+    _, request = parse_batch_line(json.dumps({"custom_id": "ok", "url": CHAT_URL, "body": good}))
     assert request.response_format.json_schema.schema_ == SCHEMA
     bad = {"messages": MESSAGES, "response_format": schema_format({"$ref": "#/nowhere"})}
     with pytest.raises(BatchLineError) as caught:

@@ -19,7 +19,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
           "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
                          "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3}}}
 WORDS = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2, "maxItems": 2}
-PREEMPTING = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=24)
+PREEMPTING = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 24}
 
 
 def json_request(prompt_ids, schema, max_tokens=60, **sampling) -> GenerationRequest:
@@ -84,7 +84,7 @@ def test_a_preempted_constrained_sequence_recomputes_to_the_same_answer(tiny_mod
 def test_regex_choice_and_json_object_hold_and_a_cut_answer_ends_with_length(tiny_model_dir):
     engine = engine_for(tiny_model_dir())
     prompt = random_prompts(1, seed=3, min_len=6)[0]
-    base = dict(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=40, temperature=1.0, seed=5))
+    base = {"prompt_token_ids": prompt, "sampling": SamplingParams(max_tokens=40, temperature=1.0, seed=5)}
     engine.add("regex", GenerationRequest(regex=r"[a-c]{2,5}-[0-9]{3}", **base))
     engine.add("choice", GenerationRequest(choice=["yes", "no", "maybe so"], **base))
     engine.add("object", GenerationRequest(response_format={"type": "json_object"},

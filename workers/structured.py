@@ -19,7 +19,6 @@ ends the answer at once. A cut by `max_tokens` ends it with `length` as usual.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,8 +30,6 @@ import torch
 from batcher.scheduler import ScheduledBatch, Sequence
 from batcher.schema import GenerationRequest
 from workers.engine_api import RequestError
-
-log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 2.0
 COMPILE_THREADS = 2  # a compile past its bound keeps its thread until llguidance's own limits stop it
@@ -68,9 +65,6 @@ class Grammars:
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._pending: tuple[list[Sequence], Future] | None = None  # the masks `begin` started
         self._shifts = torch.arange(BITS_PER_BYTE, dtype=torch.uint8)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
 
     def admit(self, request_id: str, request: GenerationRequest) -> None:
         """Compile the request's grammar (if it has one) and give it a fresh state; RequestError if it cannot."""

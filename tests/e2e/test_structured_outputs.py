@@ -11,7 +11,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.test_gateway import KEY_A, MODEL, gateway, sdk, wait_for_batch, workers  # noqa: F401  (fixtures)
+from tests.e2e import test_gateway
+from tests.e2e.test_gateway import KEY_A, MODEL, sdk, wait_for_batch
+
+gateway, workers = test_gateway.gateway, test_gateway.workers  # the module's own worker and gateway
 
 pytestmark = pytest.mark.timeout(300)
 TICKET = {"type": "object", "additionalProperties": False, "required": ["title", "priority", "tags"],

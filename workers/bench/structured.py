@@ -37,6 +37,7 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 MASK_BATCH = 32
 OVERHEAD_WORKLOAD = "skew-small"
 OVERHEAD_PAIRS = 4
+HOOKS = {"grammars": ("admit", "begin", "mask", "advance", "forget"), "logprobs": ("capture", "record", "pop")}
 
 
 class Timed:
@@ -124,19 +125,31 @@ class NoHooks:
 
 def overhead(config: EngineConfig) -> dict:
     """skew-small throughput with the hooks over that without them, on fresh engines in the order ABBA ABBA...
-    (drift cancels); the median of the pairs' ratios."""
+    (drift cancels); the median of the pairs' ratios. On a shared CPU that ratio swings by tens of percent
+    either way, so the time spent inside the hooks is also summed: the throughput they can cost at most."""
     workload = load_workload(OVERHEAD_WORKLOAD)
     rates: dict[str, list[float]] = {"with_hooks": [], "without_hooks": []}
+    hook_shares: list[float] = []
     for pair in range(OVERHEAD_PAIRS):
         for name in (("with_hooks", "without_hooks") if pair % 2 == 0 else ("without_hooks", "with_hooks")):
             engine = build_engine(config)
+            timers = []
             if name == "without_hooks":
                 engine.grammars = engine.logprobs = NoHooks()
+            else:
+                for part, hooks in ((engine.grammars, HOOKS["grammars"]), (engine.logprobs, HOOKS["logprobs"])):
+                    for hook in hooks:
+                        timers.append(Timed(getattr(part, hook)))
+                        setattr(part, hook, timers[-1])
             run = run_batcher(engine, workload, name)
             rates[name].append(sum(len(t) for t in run.tokens.values()) / run.wall_s)
+            if timers:
+                hook_shares.append(sum(t.seconds for t in timers) / run.wall_s)
     ratios = [a / b for a, b in zip(rates["with_hooks"], rates["without_hooks"])]
     return {"tokens_per_s": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-            "pair_ratios": [round(r, 4) for r in ratios], "median_ratio": round(statistics.median(ratios), 4)}
+            "pair_ratios": [round(r, 4) for r in ratios], "median_ratio": round(statistics.median(ratios), 4),
+            "hook_share_of_wall": [round(x, 6) for x in hook_shares],
+            "ratio_implied_by_hook_time": round(1 - max(hook_shares), 5)}
 
 
 def main() -> None:
@@ -144,9 +157,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--only-overhead", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = EngineConfig(model=args.model, max_num_seqs=MASK_BATCH)
+    if args.only_overhead:
+        print(json.dumps({"overhead": overhead(replace(config, max_num_seqs=EngineConfig().max_num_seqs))}))
+        return
     engine = build_engine(config)
     engine.warm_up()
     engine.add("warm-grammar", GenerationRequest(prompt="x", regex="[a-z]", sampling={"max_tokens": 2}))
