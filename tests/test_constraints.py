@@ -125,3 +125,4 @@ def test_cli_submit_takes_a_json_schema_file_or_a_regex_and_refuses_a_bad_one(tm
         assert len(Queue("cli", connection=connection)) == 2
     finally:
         release_database(connection)
+

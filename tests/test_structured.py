@@ -22,9 +22,13 @@ WORDS = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItem
 PREEMPTING = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 24}
 
 
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
 def json_request(prompt_ids, schema, max_tokens=60, **sampling) -> GenerationRequest:
     return GenerationRequest(prompt_token_ids=prompt_ids, sampling=SamplingParams(max_tokens=max_tokens, **sampling),
-                             response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+                             response_format=schema_format(schema))
 
 
 def assert_follows(out, schema) -> None:
@@ -134,3 +138,28 @@ def test_compiled_grammars_are_cached_by_grammar(tiny_model_dir, monkeypatch):
     engine.add("other", json_request(prompt, WORDS))
     assert len(compiles) == 2
     assert all(out.error is None for out in run_all(engine).values())
+
+
+def test_batcher_run_answers_schema_lines_with_valid_json_and_a_bad_schema_with_an_error_line(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from batcher.cli import main
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["word", "ok"],
+              "properties": {"word": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}}}
+    bodies = {"json": {"prompt": "x", "max_tokens": 60, "response_format": schema_format(schema), "logprobs": 1},
+              "bad": {"prompt": "x", "response_format": schema_format({"type": "string", "not": {}})},
+              "choice": {"prompt": "x", "max_tokens": 10, "choice": ["left", "right"], "temperature": 1.0}}
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": "/v1/completions", "body": b}) + "\n"
+                           for k, b in bodies.items()))
+    result = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir()), "--input", str(src), "--output",
+                                       str(dst), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    out = {o["custom_id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    answer = out["json"]["response"]["body"]["choices"][0]
+    assert answer["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(answer["text"]), schema)
+    assert len(answer["logprobs"]["tokens"]) == len(answer["token_ids"])
+    assert out["choice"]["response"]["body"]["choices"][0]["text"] in ("left", "right")
+    assert out["bad"]["response"] is None and "response_format" in out["bad"]["error"]["message"]
