@@ -25,6 +25,7 @@ MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
 MAX_SCHEMA_NAME_CHARS = 64
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
@@ -46,6 +47,7 @@ class SamplingParams(_Strict):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="report each token's logprob and this many most likely alternatives")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="answers to generate for the prompt, each with its own seed")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -227,7 +229,20 @@ class TokenLogprob(_Strict):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class Choice(_Strict):
+    """One of a request's `n` answers."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+
+
 class GenerationResult(_Strict):
+    """A request's answer. With `n` > 1, `choices` holds every answer, the top-level fields are choice 0's, and
+    `usage.completion_tokens` counts the tokens of all of them."""
+
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
@@ -236,6 +251,7 @@ class GenerationResult(_Strict):
     worker: str | None = None
     model: str | None = None
     logprobs: list[TokenLogprob] | None = Field(None, description="one per token, when the request asked")
+    choices: list[Choice] | None = Field(None, description="every answer, when the request asked for n > 1")
 
 
 StreamEventType = Literal["start", "token", "done", "error", "restart"]
@@ -264,6 +280,7 @@ class StreamEvent(BaseModel):
     usage: Usage | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = Field(None, description="of `token_ids`, when the request asked")
+    choice: int = Field(0, description="which of the request's n answers a token event belongs to")
 
     @property
     def terminal(self) -> bool:

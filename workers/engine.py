@@ -20,6 +20,7 @@ from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from workers.detokenize import IncrementalDetokenizer
+from workers.choices import Choices
 from workers.engine_api import RequestError, RequestOutput, StepStats
 from workers.logprobs import Logprobs
 from workers.models import LoadedModel
@@ -56,6 +57,7 @@ class Engine:
         self.sampler = Sampler(self.runner.device)
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         self.logprobs = Logprobs(loaded.tokenizer)
+        self.choices = Choices()
         self.step_index = 0
         self.last_step: StepStats | None = None
         self._requests: dict[str, _Request] = {}
@@ -63,17 +65,26 @@ class Engine:
     # ----- the public API -----
     def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         """Queue a request. Raises RequestError, and keeps nothing, if it can never be served."""
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.choices:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         prompt_ids = self.tokenize(request)
         self._check_servable(prompt_ids, request)
-        self.grammars.admit(request_id, request)
-        seq = Sequence(request_id, prompt_ids, request.sampling,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
-        detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, request.sampling.stop)
-        self._requests[request_id] = _Request(seq, detok, logprobs=None if request.sampling.logprobs is None else [])
-        self.scheduler.add(seq)
-        return seq
+        sequences = self.choices.expand(request_id, request)  # one per choice (n)
+        for i, (sequence_id, _) in enumerate(sequences):
+            try:
+                self.grammars.admit(sequence_id, request)
+            except RequestError:
+                for admitted, _ in sequences[:i]:
+                    self.grammars.forget(admitted)
+                raise
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for sequence_id, sampling in sequences:
+            seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival)
+            detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
+            self._requests[sequence_id] = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
+            self.scheduler.add(seq)
+        self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences])
+        return self._requests[sequences[0][0]].seq
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -114,11 +125,14 @@ class Engine:
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
         """End a request now, keeping what it generated. None if the engine does not hold it."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return None
-        req.delta_text += req.detokenizer.flush()
-        return self._finish(req, reason)
+        outputs = []
+        for sequence_id in self.choices.live(request_id):
+            req = self._requests.get(sequence_id)
+            if req is not None:
+                req.delta_text += req.detokenizer.flush()
+                outputs.append(self._finish(req, reason))
+        merged = self.choices.merge(outputs, self.abort)
+        return merged[-1] if merged else None
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update; return an output for every request that changed."""
@@ -148,6 +162,7 @@ class Engine:
             duration_s=time.perf_counter() - started,
         )
         self.step_index += 1
+        outputs = self.choices.merge(outputs, self.abort)
         return outputs
 
     # ----- helpers -----

@@ -410,7 +410,7 @@ class BatchWorker(BaseBatchWorker):
                     if f.first_token_at is None and out.new_token_ids:
                         f.first_token_at = time.monotonic()
                     self.streams.token(f.execution.id, out.delta_text, out.new_token_ids,
-                                       len(out.token_ids) - len(out.new_token_ids), out.new_logprobs)
+                                       len(out.token_ids) - len(out.new_token_ids), out.new_logprobs, out.choice)
                 if out.error is not None:
                     f.ended("failed", reason=f"generation failed: {out.error}")
                 elif out.finish_reason == "cancelled":

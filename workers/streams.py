@@ -123,22 +123,23 @@ class StreamWriter:
         attempt.ttl = ttl_arg(ttl)
 
     def token(self, execution_id: str, text: str, token_ids: list[int], index: int,
-              logprobs: list[TokenLogprob] | None = None) -> None:
-        """New tokens (and their logprobs, when asked); merged into the execution's last buffered token event
-        when that one was never sent."""
+              logprobs: list[TokenLogprob] | None = None, choice: int = 0) -> None:
+        """New tokens of one choice (and their logprobs, when asked); merged into the execution's last buffered
+        token event when that one was never sent and is of the same choice."""
         attempt = self._attempts[execution_id]
-        if len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token":
+        if (len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token"
+                and attempt.events[-1][1].choice == choice):
             event_id, last = attempt.events.pop()
             text, token_ids, index = last.text + text, last.token_ids + token_ids, last.index
             if last.logprobs is not None:
                 logprobs = last.logprobs + (logprobs or [])
             attempt.events.append((event_id, StreamEvent.model_construct(
                 type="token", execution_id=attempt.execution_id, text=text, token_ids=token_ids, index=index,
-                logprobs=logprobs)))
+                logprobs=logprobs, choice=choice)))
             return
         # Built without validation: the worker's own values, on every step's hot path. No TTL change.
         attempt.add(StreamEvent.model_construct(type="token", execution_id=attempt.execution_id, text=text,
-                                                token_ids=token_ids, index=index, logprobs=logprobs))
+                                                token_ids=token_ids, index=index, logprobs=logprobs, choice=choice))
 
     def done(self, execution_id: str, finish_reason: FinishReason, usage: Usage | None, ttl: int | None) -> None:
         attempt = self._attempts[execution_id]

@@ -141,3 +141,29 @@ def test_logprobs_name_the_greedy_token_first_streamed_or_not_and_in_batch_lines
     batch_content = output["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert [t["token"] for t in batch_content] == [t.token for t in content]
     assert [t["logprob"] for t in batch_content] == pytest.approx([t.logprob for t in content], abs=1e-4)
+
+
+def test_n_choices_come_back_indexed_streamed_or_not_and_usage_counts_them_all(gateway):
+    base, _, _ = gateway
+    client = sdk(base, KEY_A)
+    request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 1.0, "seed": 5,
+               "extra_body": {"ignore_eos": True}}
+    answer = client.chat.completions.create(n=3, **request)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert answer.usage.completion_tokens == 18 and all(c.finish_reason == "length" for c in answer.choices)
+    texts = [c.message.content for c in answer.choices]
+    assert len(set(texts)) > 1  # each choice draws with its own seed
+    assert client.chat.completions.create(n=1, **request).choices[0].message.content == texts[0]
+
+    streamed, finishes = {0: "", 1: "", 2: ""}, {}
+    for chunk in client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **request):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == 18
+    assert [streamed[i] for i in range(3)] == texts and finishes == {0: "length", 1: "length", 2: "length"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(n=17, **request)
+    assert caught.value.param == "n"
