@@ -163,3 +163,23 @@ def test_batcher_run_answers_schema_lines_with_valid_json_and_a_bad_schema_with_
     assert len(answer["logprobs"]["tokens"]) == len(answer["token_ids"])
     assert out["choice"]["response"]["body"]["choices"][0]["text"] in ("left", "right")
     assert out["bad"]["response"] is None and "response_format" in out["bad"]["error"]["message"]
+
+
+def test_a_forward_that_raises_under_begun_masks_is_rerun_alone_and_the_answers_still_follow(tiny_model_dir,
+                                                                                             monkeypatch):
+    engine = engine_for(tiny_model_dir())
+    for i, prompt in enumerate(random_prompts(3, seed=9, min_len=4)):
+        engine.add(str(i), json_request(prompt, SCHEMA))
+    execute, failures = engine.runner.execute, []
+
+    def flaky(batch):
+        if len(batch.num_tokens) > 1 and engine.step_index == 3 and not failures:
+            failures.append(batch)
+            raise RuntimeError("a transient fault")
+        return execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    finals = run_all(engine)
+    assert failures and len(finals) == 3
+    for out in finals.values():
+        assert_follows(out, SCHEMA)

@@ -20,7 +20,7 @@ ends the answer at once. A cut by `max_tokens` ends it with `length` as usual.
 from __future__ import annotations
 
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -96,6 +96,9 @@ class Grammars:
     def begin(self, batch: ScheduledBatch) -> None:
         """Start computing the masks of the constrained sequences that sample in `batch`, on the mask thread,
         while the forward runs (llguidance drops the GIL): a step then waits only for what is left of it."""
+        if self._pending is not None:  # begun for a forward that raised: let it end before touching its matchers
+            wait([self._pending[1]])
+            self._pending = None
         if not self._states:
             return
         seqs = [seq for seq in batch.num_tokens if seq.request_id in self._states and batch.samples(seq)]
