@@ -14,13 +14,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from batcher.schema import GenerationRequest, GenerationResult, Usage
+from batcher.openai_logprobs import LogprobsError, chat_logprobs, completion_logprobs, requested
+from batcher.schema import Choice, GenerationRequest, GenerationResult, Usage
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-                   "repetition_penalty")
-IGNORED_BODY_FIELDS = ("n", "stream", "user")
+                   "repetition_penalty", "n")
+CONSTRAINT_FIELDS = ("response_format", "regex", "choice")  # regex and choice: vLLM's extras
+IGNORED_BODY_FIELDS = ("stream", "user")
 ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
 MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
 MAX_PROBLEM_CHARS = 200
@@ -81,17 +83,22 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     is not ours to honour is refused rather than silently ignored."""
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
-    unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - set(extra_fields) - {
-        "prompt", "messages", "model", "max_completion_tokens"}
+    logprob_fields = ("logprobs", "top_logprobs") if url == CHAT_URL else ("logprobs",)
+    known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *logprob_fields,
+             "prompt", "messages", "model", "max_completion_tokens"}
+    unknown = set(body) - known
     if unknown:
         raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
-    if body.get("n", 1) != 1:
-        raise BodyError("n must be 1: one choice per request", param="n")
     request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
     if "max_completion_tokens" in body:  # the chat endpoint's newer name for max_tokens
         request["sampling"]["max_tokens"] = body["max_completion_tokens"]
+    try:
+        request["sampling"]["logprobs"] = requested(body, url == CHAT_URL)
+    except LogprobsError as exc:
+        raise BodyError(str(exc), param=exc.param) from None
     if body.get("model") is not None:
         request["model"] = body["model"]
+    request.update({k: body[k] for k in CONSTRAINT_FIELDS if body.get(k) is not None})
     if url == CHAT_URL:
         request["messages"] = body.get("messages")
     else:
@@ -147,16 +154,19 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
 
     `token_ids` is our addition to a completion choice; OpenAI clients ignore unknown fields."""
     usage = usage_body(result.usage)
-    finish_reason = openai_finish_reason(result.finish_reason)
+    choices = result.choices or [Choice(index=0, text=result.text, token_ids=result.token_ids,
+                                        finish_reason=result.finish_reason, logprobs=result.logprobs)]
     if endpoint == CHAT_URL:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": finish_reason}
+        shaped = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                   "logprobs": chat_logprobs(c.logprobs), "finish_reason": openai_finish_reason(c.finish_reason)}
+                  for c in choices]
         body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": result.text, "token_ids": result.token_ids, "logprobs": None,
-                  "finish_reason": finish_reason}
+        shaped = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                   "logprobs": completion_logprobs(c.logprobs), "finish_reason": openai_finish_reason(c.finish_reason)}
+                  for c in choices]
         body = {"id": f"{COMPLETION_ID_PREFIX}{request_id}", "object": "text_completion"}
-    body.update(created=created, model=result.model, choices=[choice], usage=usage)
+    body.update(created=created, model=result.model, choices=shaped, usage=usage)
     return body
 
 

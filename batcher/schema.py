@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from batcher import constraints
+
 MAX_PROMPT_BYTES = 1 << 20
 MAX_PROMPT_TOKEN_IDS = 1 << 17
 MAX_TOKENS_LIMIT = 1 << 15
@@ -21,6 +23,9 @@ MAX_REQUEST_METADATA_ITEMS = 64  # a request's own metadata (a batch's, as OpenA
 MAX_MODEL_NAME_CHARS = 256
 MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
+MAX_SCHEMA_NAME_CHARS = 64
+MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
@@ -49,6 +54,9 @@ class SamplingParams(_Strict):
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="report each token's logprob and this many most likely alternatives")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="answers to generate for the prompt, each with its own seed")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -81,6 +89,40 @@ class BatchItem(_Strict):
     custom_id: str | None = Field(None, max_length=MAX_CUSTOM_ID_CHARS)
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`. Answers always follow the schema: `strict` is accepted and
+    changes nothing (a schema the grammar library cannot honour exactly is refused instead)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+
+    name: str = Field(min_length=1, max_length=MAX_SCHEMA_NAME_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="None: any JSON value")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free `text`, any JSON object (`json_object`), or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar of the format (None for text); InvalidConstraint if it cannot be honoured."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return constraints.json_schema_grammar(constraints.ANY_JSON_OBJECT)
+        schema = self.json_schema.schema_
+        return constraints.json_schema_grammar({} if schema is None else schema)
+
+
 class GenerationRequest(_Strict):
     """One generation: exactly one of `prompt`, `messages` or `prompt_token_ids`.
 
@@ -99,6 +141,38 @@ class GenerationRequest(_Strict):
     model: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     chat: bool = False
     batch: BatchItem | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, min_length=1, description="the whole answer matches this regex")
+    choice: list[str] | None = Field(None, description="the whole answer is one of these strings")
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_honoured(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None:
+            value.grammar()
+        return value
+
+    @field_validator("regex")
+    @classmethod
+    def _regex_honoured(cls, value: str | None) -> str | None:
+        if value is not None:
+            constraints.regex_grammar(value)
+        return value
+
+    @field_validator("choice")
+    @classmethod
+    def _choice_honoured(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            constraints.choice_grammar(value)
+        return value
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar the answer must follow, or None when it is free text."""
+        if self.regex is not None:
+            return constraints.regex_grammar(self.regex)
+        if self.choice is not None:
+            return constraints.choice_grammar(self.choice)
+        return None if self.response_format is None else self.response_format.grammar()
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -118,6 +192,13 @@ class GenerationRequest(_Strict):
         size += sum(len(m.content.encode("utf-8", "surrogatepass")) for m in self.messages or ())
         if size > MAX_PROMPT_BYTES:
             raise ValueError(f"the prompt is {size} bytes; the limit is {MAX_PROMPT_BYTES}")
+        constrained = [n for n in ("regex", "choice") if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            constrained.append("response_format")
+        if len(constrained) > 1:
+            raise ValueError(f"give at most one of response_format, regex or choice (got {', '.join(constrained)})")
+        if constrained and self.sampling.ignore_eos:
+            raise ValueError(f"ignore_eos cannot go with {constrained[0]}: a constrained answer ends with its grammar")
         return self
 
 
@@ -139,7 +220,38 @@ class Timings(_Tolerant):
     total_s: float | None = None
 
 
+class TopLogprob(_Tolerant):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(_Tolerant):
+    """One generated token's log-probability, and the most likely alternatives at its position.
+
+    The distribution is the model's log-softmax at that position, over the tokens the request's grammar allows
+    (all of them without a constraint), before repetition penalty, temperature, top-k and top-p: what the
+    model thinks, not how the token was drawn. `token` is the token decoded alone (a token inside a multi-byte
+    character decodes to U+FFFD)."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class Choice(_Tolerant):
+    """One of a request's `n` answers."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+
+
 class GenerationResult(_Tolerant):
+    """A request's answer. With `n` > 1, `choices` holds every answer, the top-level fields are choice 0's, and
+    `usage.completion_tokens` counts the tokens of all of them."""
+
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
@@ -147,6 +259,8 @@ class GenerationResult(_Tolerant):
     timings: Timings = Field(default_factory=Timings)
     worker: str | None = None
     model: str | None = None
+    logprobs: list[TokenLogprob] | None = Field(None, description="one per token, when the request asked")
+    choices: list[Choice] | None = Field(None, description="every answer, when the request asked for n > 1")
 
 
 StreamEventType = Literal["start", "token", "done", "error", "restart"]
@@ -172,6 +286,8 @@ class StreamEvent(_Tolerant):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = Field(None, description="of `token_ids`, when the request asked")
+    choice: int = Field(0, description="which of the request's n answers a token event belongs to")
 
     @property
     def terminal(self) -> bool:

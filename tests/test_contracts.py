@@ -62,12 +62,12 @@ def test_retry_while_unreachable_retries_then_gives_up_at_the_deadline(monkeypat
 def test_what_clients_read_ignores_fields_a_newer_worker_adds_and_requests_stay_strict():
     """A rolling upgrade: workers of the next release write results, events and batches with fields this one does
     not know; this release's clients still read them. What producers send is still checked strictly."""
-    newer = {"text": "hi", "token_ids": [1], "finish_reason": "stop", "logprobs": [-0.5],
+    newer = {"text": "hi", "token_ids": [1], "finish_reason": "stop", "reasoning": "a field of the future",
              "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 2, "reasoning_tokens": 0},
              "timings": {"queue_s": 0.1, "prefill_s": 0.2}}
     result = GenerationResult.model_validate(newer)
     assert (result.usage.cached_tokens, result.timings.queue_s) == (2, 0.1)
-    event = StreamEvent.model_validate_json(json.dumps({"type": "token", "text": "a", "choice": 1}))
+    event = StreamEvent.model_validate_json(json.dumps({"type": "token", "text": "a", "audio": "..."}))
     assert event.text == "a"
     batch = Batch.from_hash({"id": "batch_1", "endpoint": "/v1/completions", "completion_window": "24h",
                              "status": "in_progress", "created_at": "1", "expires_at": "2", "queue": "q",

@@ -279,8 +279,8 @@ def test_failures_answer_openai_errors(gateway, worker):
     error = error_of(unknown, 404)
     assert (error["code"], error["param"]) == ("model_not_found", "model") and MODEL in error["message"]
     assert error_of(gateway.get("/v1/models/gpt-4o", headers=A), 404)["code"] == "model_not_found"
-    for body, param in (({"model": MODEL, "prompt": "x", "n": 2}, "n"),
-                        ({"model": MODEL, "prompt": "x", "logprobs": 1}, "logprobs"),
+    for body, param in (({"model": MODEL, "prompt": "x", "n": 17}, "n"),
+                        ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
                         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
                         ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options")):
         assert error_of(gateway.post("/v1/completions", headers=A, json=body), 400)["param"] == param

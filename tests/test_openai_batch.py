@@ -29,7 +29,9 @@ def test_token_id_prompt_and_chat():
     (line({"prompt": "x"}, url="/v1/embeddings"), "url must be"),
     (line({"prompt": "x", "max_tokens": -1}), "max_tokens"),
     (line({"prompt": "x", "temperature": "hot"}), "temperature"),
-    (line({"prompt": "x", "logprobs": 3}), "unsupported body fields: logprobs"),
+    (line({"prompt": "x", "logprobs": 6}), "logprobs must be an integer from 0 to 5"),
+    (line({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, url="/v1/chat/completions"),
+     "top_logprobs needs logprobs: true"),
     (line({}), "exactly one of"),
     (line({"prompt": [1, -5]}), "token ids"),
 ])

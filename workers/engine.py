@@ -20,13 +20,16 @@ import torch
 from batcher.blocks import BlockAllocator, blocks_needed
 from batcher.config import EngineConfig
 from batcher.scheduler import Scheduler, StepPlan
-from batcher.schema import GenerationRequest, SamplingParams
+from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from batcher.sequence import Sequence, SequenceStatus
+from workers.choices import Choices
 from workers.detokenize import IncrementalDetokenizer
 from workers.engine_api import EngineStats, RequestError, RequestOutput, StepStats
+from workers.logprobs import Logprobs
 from workers.models import LoadedModel
 from workers.runner import ModelRunner
 from workers.sampling import Sampler
+from workers.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     new_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # all of them, when the request asked
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Engine:
@@ -53,6 +58,9 @@ class Engine:
         allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, allocator, loaded.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.runner.device)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self.logprobs = Logprobs(loaded.tokenizer)
+        self.choices = Choices()
         self.step_index = 0
         self.last_step: StepStats | None = None
         self._requests: dict[str, _Request] = {}
@@ -60,15 +68,25 @@ class Engine:
     # ----- the public API -----
     def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
         """Queue a request. Raises RequestError, and keeps nothing, if it can never be served."""
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.choices:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         prompt_ids = self.tokenize(request)
         self._check_servable(prompt_ids, request)
-        seq = Sequence(request_id, prompt_ids, request.sampling,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
-        detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, request.sampling.stop)
-        self._requests[request_id] = _Request(seq, detok)
-        self.scheduler.add(seq)
+        sequences = self.choices.expand(request_id, request)  # one per choice (n)
+        for i, (sequence_id, _) in enumerate(sequences):
+            try:
+                self.grammars.admit(sequence_id, request)
+            except RequestError:
+                for admitted, _ in sequences[:i]:
+                    self.grammars.forget(admitted)
+                raise
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for sequence_id, sampling in sequences:
+            seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival)
+            detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
+            self._requests[sequence_id] = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
+            self.scheduler.add(seq)
+        self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -99,11 +117,14 @@ class Engine:
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
         """End a request now, keeping what it generated. None if the engine does not hold it."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return None
-        req.delta_text += req.detokenizer.flush()
-        return self._finish(req, reason)
+        outputs = []
+        for sequence_id in self.choices.live(request_id):
+            req = self._requests.get(sequence_id)
+            if req is not None:
+                req.delta_text += req.detokenizer.flush()
+                outputs.append(self._finish(req, reason))
+        merged = self.choices.merge(outputs, self.abort)
+        return merged[-1] if merged else None
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update; return an output for every request that changed."""
@@ -129,6 +150,7 @@ class Engine:
             duration_s=time.perf_counter() - started,
         )
         self.step_index += 1
+        outputs = self.choices.merge(outputs, self.abort)
         return outputs
 
     # ----- helpers -----
@@ -188,16 +210,26 @@ class Engine:
 
     @torch.inference_mode()
     def _forward(self, plan: StepPlan) -> dict[Sequence, int]:
+        self.grammars.begin(plan)
         logits, seqs = self.runner.execute(plan)
-        return dict(zip(seqs, self.sampler.sample(logits, seqs)))
+        self.grammars.mask(logits, seqs)
+        captured = self.logprobs.capture(logits, seqs)
+        tokens = self.sampler.sample(logits, seqs)
+        self.logprobs.record(captured, seqs, tokens)
+        return dict(zip(seqs, tokens))
 
     def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
-        """Detokenize the token the scheduler took; a stop string ends the request here."""
+        """Detokenize the token the scheduler took; a stop string or a complete grammar ends the request here."""
         seq = req.seq
+        grammar_complete = self.grammars.advance(seq)
         req.new_token_ids.append(token)
+        logprob = self.logprobs.pop(seq.request_id)
+        if logprob is not None:
+            req.new_logprobs.append(logprob)
+            req.logprobs.append(logprob)
         req.delta_text += req.detokenizer.push(token)
-        if req.detokenizer.stopped:
-            self.scheduler.finish(seq, "stop")  # a stop string names the reason, even on the last token
+        if req.detokenizer.stopped or grammar_complete:
+            self.scheduler.finish(seq, "stop")  # a stop string or a complete grammar names the reason, even last
             finished = True
         if finished:
             req.delta_text += req.detokenizer.flush()
@@ -220,8 +252,10 @@ class Engine:
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
             last_token_time=seq.last_token_time,
+            new_logprobs=None if req.logprobs is None else req.new_logprobs,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
         )
-        req.new_token_ids, req.delta_text = [], ""
+        req.new_token_ids, req.delta_text, req.new_logprobs = [], "", []
         return out
 
     def _finish(self, req: _Request, reason: str) -> RequestOutput:
@@ -237,6 +271,8 @@ class Engine:
     def _forget(self, req: _Request) -> None:
         """Drop the engine's per-request helpers of a sequence the scheduler has finished."""
         self.sampler.forget(req.seq.request_id)
+        self.grammars.forget(req.seq.request_id)
+        self.logprobs.pop(req.seq.request_id)
         del self._requests[req.seq.request_id]
 
 

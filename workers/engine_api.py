@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from batcher.blocks import PrefixCacheStats
-from batcher.schema import GenerationRequest, GenerationResult, Timings, Usage
+from batcher.schema import Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
 
 
 class RequestError(ValueError):
@@ -31,6 +31,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     finish_reason: str | None = None
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
+    logprobs: list[TokenLogprob] | None = None  # of token_ids
+    choice: int = 0  # which of the request's n answers this is
+    choices: list[Choice] | None = None  # every answer, on the last output of a request with n > 1
     # The request's times (time.monotonic()): added to the engine, its first token, its latest token.
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -42,16 +46,20 @@ class RequestOutput:
 
     def to_result(self, timings: Timings | None = None, worker: str | None = None,
                   model: str | None = None) -> GenerationResult:
-        """The wire-format result of a request that finished."""
+        """The wire-format result of a request that finished (with n > 1, the top-level fields are choice 0's)."""
+        first = self.choices[0] if self.choices else self
+        completion_tokens = sum(len(c.token_ids) for c in self.choices) if self.choices else len(self.token_ids)
         return GenerationResult(
-            text=self.text,
-            token_ids=self.token_ids,
-            finish_reason=self.finish_reason,
-            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.token_ids),
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion_tokens,
                         cached_tokens=self.num_cached_tokens),
             timings=timings or Timings(),
             worker=worker,
             model=model,
+            logprobs=first.logprobs,
+            choices=self.choices,
         )
 
 

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from batcher.scheduler import Sequence
+from batcher.sequence import Sequence
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:

@@ -31,7 +31,7 @@ from redis import Redis
 
 from batcher import keys
 from batcher.job_stream import STREAM_MAXLEN, ttl_arg
-from batcher.schema import STREAM_FIELD, StreamEvent
+from batcher.schema import STREAM_FIELD, StreamEvent, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,9 @@ class _Attempt:
     written_to: str = ""  # the id of the last event known written: the stream must still hold it
     ttl: str = KEEP_TTL
     start_ttl: str = KEEP_TTL  # the TTL the stream started with, for a stream that a failover lost whole
-    text: str = ""  # everything generated so far, for a start over after a gap
-    token_ids: list[int] = field(default_factory=list)
+    # Everything generated so far, by choice, for a start over after a gap.
+    text: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, event: StreamEvent) -> None:
         self.events.append((f"{self.base_ms}-{self.next_seq}", event))
@@ -141,20 +142,26 @@ class StreamWriter:
         attempt.add(StreamEvent(type="start", execution_id=execution_id))
         attempt.ttl = attempt.start_ttl = ttl_arg(ttl)
 
-    def token(self, execution_id: str, text: str, token_ids: list[int], index: int) -> None:
-        """New tokens; merged into the execution's last buffered token event when that one was never sent."""
+    def token(self, execution_id: str, text: str, token_ids: list[int], index: int,
+              logprobs: list[TokenLogprob] | None = None, choice: int = 0) -> None:
+        """New tokens of one choice (and their logprobs, when asked); merged into the execution's last buffered
+        token event when that one was never sent and is of the same choice."""
         attempt = self._attempts[execution_id]
-        attempt.text += text
-        attempt.token_ids += token_ids
-        if len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token":
+        attempt.text[choice] = attempt.text.get(choice, "") + text
+        attempt.token_ids.setdefault(choice, []).extend(token_ids)
+        if (len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token"
+                and attempt.events[-1][1].choice == choice):
             event_id, last = attempt.events.pop()
             text, token_ids, index = last.text + text, last.token_ids + token_ids, last.index
+            if last.logprobs is not None:
+                logprobs = last.logprobs + (logprobs or [])
             attempt.events.append((event_id, StreamEvent.model_construct(
-                type="token", execution_id=attempt.execution_id, text=text, token_ids=token_ids, index=index)))
+                type="token", execution_id=attempt.execution_id, text=text, token_ids=token_ids, index=index,
+                logprobs=logprobs, choice=choice)))
             return
         # Built without validation: the worker's own values, on every step's hot path. No TTL change.
         attempt.add(StreamEvent.model_construct(type="token", execution_id=attempt.execution_id, text=text,
-                                                token_ids=token_ids, index=index))
+                                                token_ids=token_ids, index=index, logprobs=logprobs, choice=choice))
 
     def end(self, execution_id: str, event: StreamEvent, ttl: int | None) -> None:
         """The execution's terminal event (`batcher.job_life.terminal_event`), and the stream's TTL from then on."""
@@ -227,9 +234,9 @@ class StreamWriter:
         attempt.ttl = attempt.ttl if attempt.ttl != KEEP_TTL else attempt.start_ttl
         attempt.add(StreamEvent(type="restart", execution_id=execution_id))
         attempt.add(StreamEvent(type="start", execution_id=execution_id))
-        if attempt.token_ids:
-            attempt.add(StreamEvent.model_construct(type="token", execution_id=execution_id, text=attempt.text,
-                                                    token_ids=list(attempt.token_ids), index=0))
+        for choice, token_ids in sorted(attempt.token_ids.items()):
+            attempt.add(StreamEvent.model_construct(type="token", execution_id=execution_id, text=attempt.text[choice],
+                                                    token_ids=list(token_ids), index=0, choice=choice))
         for event in ends:
             attempt.add(event)
 

@@ -201,7 +201,7 @@ class JobWorker(BaseJobWorker):
                 self.tokens_generated += len(out.new_token_ids)
                 if out.new_token_ids or out.delta_text:
                     self.streams.token(f.id, out.delta_text, out.new_token_ids,
-                                       len(out.token_ids) - len(out.new_token_ids))
+                                       len(out.token_ids) - len(out.new_token_ids), out.new_logprobs, out.choice)
                 if out.error is not None:
                     f.ended("failed", reason=f"generation failed: {out.error}")
                 elif out.finish_reason == "cancelled":

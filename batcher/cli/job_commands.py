@@ -12,6 +12,8 @@ from batcher import keys
 from batcher.cli.group import main
 from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
 
+SCHEMA_NAME = "answer"  # the json_schema name of `submit --json-schema` (OpenAI's format requires one)
+
 
 @main.command()
 @redis_url_option
@@ -28,24 +30,37 @@ from batcher.cli.options import queue_option, redis_url_option, replica_wait_opt
               help="0 is the most urgent.")
 @click.option("--follow", is_flag=True, help="Wait: print PROMPT's text live, or the batch's progress and then its "
                                              "output and error lines.")
+@click.option("--json-schema", "schema_file", type=click.File("rb"),
+              help="For PROMPT: the answer is JSON that follows the JSON schema in this file.")
+@click.option("--regex", help="For PROMPT: the answer matches this regular expression.")
 @replica_wait_options
-def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, temperature, priority, follow):
+def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, temperature, priority, follow, schema_file,
+           regex):
     """Enqueue PROMPT and print its job id, or create a batch of --file and print the batch id."""
     if (prompt is None) == (batch_file is None):
         raise click.UsageError("give either PROMPT or --file")
     client = options.make_client(redis_url, queue)
     if prompt is not None:
+        from pydantic import ValidationError
+
+        from batcher.openai_batch import readable
         from batcher.schema import GenerationRequest
 
         sampling = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
-        job_id = client.submit(GenerationRequest(prompt=prompt, chat=not raw, model=model, sampling=sampling,
-                                                 priority=priority))
+        constraint = _constraint(schema_file, regex)
+        try:
+            request = GenerationRequest(prompt=prompt, chat=not raw, model=model, sampling=sampling,
+                                        priority=priority, **constraint)
+        except ValidationError as exc:
+            raise click.UsageError(readable(exc)) from None
+        job_id = client.submit(request)
         click.echo(job_id)
         if follow:
             sys.exit(_print_stream(client, job_id))
         return
-    if model is not None or raw:
-        raise click.UsageError("--model and --raw are for PROMPT; a batch file names each line's model")
+    if model is not None or raw or schema_file is not None or regex is not None:
+        raise click.UsageError("--model, --raw, --json-schema and --regex are for PROMPT; a batch file's lines "
+                               "carry their own")
     created = batch_commands.create_batch(client, batch_file, priority=priority)
     click.echo(created.id)
     if follow:
@@ -54,6 +69,23 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
             for line in client.batch_output(created.id, errors=errors):
                 click.echo(line, nl=False)
         sys.exit(0 if ended.status == "completed" and not ended.request_counts.failed else 1)
+
+
+def _constraint(schema_file, regex: str | None) -> dict:
+    """The request fields of --json-schema FILE and --regex (at most one of them)."""
+    if schema_file is not None and regex is not None:
+        raise click.UsageError("give at most one of --json-schema and --regex")
+    if regex is not None:
+        return {"regex": regex}
+    if schema_file is None:
+        return {}
+    import json
+
+    try:
+        schema = json.loads(schema_file.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise click.UsageError(f"--json-schema: {schema_file.name} is not JSON: {exc}") from None
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": SCHEMA_NAME, "schema": schema}}}
 
 
 @main.command()

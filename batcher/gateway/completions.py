@@ -36,7 +36,8 @@ from batcher.gateway.body import read_json
 from batcher.gateway.errors import NO_RETRY, SERVER_ERROR, ApiError, error_body
 from batcher.openai_batch import (CHAT_ID_PREFIX, CHAT_URL, COMPLETION_ID_PREFIX, COMPLETIONS_URL, BodyError,
                                   openai_finish_reason, parse_body, response_body, usage_body)
-from batcher.schema import GenerationRequest, Usage
+from batcher.openai_logprobs import chat_logprobs, completion_logprobs
+from batcher.schema import GenerationRequest, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ async def _complete(request: Request, url: str):
     model, job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
     created = int(time.time())
     if stream:
-        chunks = Chunks(url, job_id, created, model, include_usage)
+        chunks = Chunks(url, job_id, created, model, include_usage, generation.sampling.n)
         return EventStreamResponse(_relay(request, job_id, chunks))
     return await _answer(request, job_id, url, created)
 
@@ -158,12 +159,14 @@ async def _answer(request: Request, job_id: str, url: str, created: int) -> JSON
 class Chunks:
     """Server-sent events in OpenAI's chunk format (chat.completion.chunk, or text_completion)."""
 
-    def __init__(self, url: str, job_id: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(self, url: str, job_id: str, created: int, model: str, include_usage: bool, n: int = 1) -> None:
         self.chat = url == CHAT_URL
         self.head = {"id": f"{CHAT_ID_PREFIX if self.chat else COMPLETION_ID_PREFIX}{job_id}",
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": model}
         self.include_usage = include_usage
+        self.n = n
+        self._text_offset = [0] * n  # of each choice's next token, for completions' logprobs
 
     def _event(self, choices: list[dict], **extra) -> bytes:
         chunk = {**self.head, "choices": choices, **extra}
@@ -171,23 +174,30 @@ class Chunks:
             chunk.setdefault("usage", None)
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
             if role:
                 delta = {"role": "assistant", "content": ""}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                    "finish_reason": finish_reason}
+        shaped = completion_logprobs(logprobs, self._text_offset[index])
+        self._text_offset[index] += sum(len(lp.token) for lp in logprobs or ())
+        return {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
 
     def opening(self) -> bytes | None:
         """The chat stream's first chunk names the role, as OpenAI's does; a completion stream has none."""
-        return self._event([self._choice(None, None, role=True)]) if self.chat else None
+        if not self.chat:
+            return None
+        return self._event([self._choice(None, None, role=True, index=i) for i in range(self.n)])
 
-    def text(self, delta: str) -> bytes:
-        return self._event([self._choice(delta, None)])
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> bytes:
+        return self._event([self._choice(delta, None, logprobs=logprobs, index=index)])
 
-    def finish(self, reason: str) -> bytes:
-        return self._event([self._choice(None, openai_finish_reason(reason))])
+    def finish(self, reasons: list[str]) -> bytes:
+        """The last chunk of each choice, with its finish reason."""
+        return self._event([self._choice(None, openai_finish_reason(r), index=i) for i, r in enumerate(reasons)])
 
     def usage(self, usage: Usage | None) -> bytes:
         return self._event([], usage=None if usage is None else usage_body(usage))
@@ -201,25 +211,33 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
     app = request.app
     app.state.metrics.streams.inc()
     ended = False
-    relay = jobs.TextRelay()
+    relays = [jobs.TextRelay() for _ in range(chunks.n)]  # one per choice
+    attempt_logprobs: list[list[TokenLogprob]] = [[] for _ in range(chunks.n)]  # of the attempt's tokens
     try:
         opening = chunks.opening()
         if opening is not None:
             yield opening
         async for event in jobs.events(app.state.aconnection, app.state.client, job_id):
             if event.type == "restart":
-                relay.restart()
+                for relay, logprobs in zip(relays, attempt_logprobs):
+                    relay.restart()
+                    logprobs.clear()
             elif event.type == "token":
+                relay, logprobs = relays[event.choice], attempt_logprobs[event.choice]
+                sent = len(relay.token_ids)
                 delta = relay.delta(event)
-                if delta:
-                    yield chunks.text(delta)
+                logprobs += event.logprobs or []
+                new_logprobs = logprobs[sent:len(relay.token_ids)] if event.logprobs is not None else None
+                if delta or new_logprobs:
+                    yield chunks.text(delta, new_logprobs, event.choice)
             elif event.type == "done":
-                relay.check_end()
+                for relay in relays:
+                    relay.check_end()
                 ended = True
                 if event.finish_reason == "cancelled":
                     yield error_event(CANCELLED_MESSAGE, "cancelled", SERVER_ERROR)
                 else:
-                    yield chunks.finish(event.finish_reason)
+                    yield chunks.finish(await _finish_reasons(app.state.client, job_id, event, chunks.n))
                     if chunks.include_usage:
                         yield chunks.usage(event.usage)
             elif event.type == "error":
@@ -233,6 +251,14 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
         app.state.metrics.streams.dec()
         if not ended:
             await _cancel(app.state.client, job_id)
+
+
+async def _finish_reasons(client: Client, job_id: str, done, n: int) -> list[str]:
+    """Each choice's finish reason: the end event's, or with n > 1 the result's (recorded with the end)."""
+    if n == 1:
+        return [done.finish_reason]
+    result = await run_in_threadpool(client.result, job_id, RESULT_WAIT_S)
+    return [c.finish_reason for c in result.choices]
 
 
 class EventStreamResponse(StreamingResponse):

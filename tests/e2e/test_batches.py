@@ -72,7 +72,7 @@ def serving(e2e_redis, tiny_model_dir, tmp_path_factory):
 def test_fifty_jobs_with_five_bad_lines_count_exactly_and_two_consumers_share_the_feed(serving, tmp_path):
     url, connection, _ = serving
     client = Client(connection, queue=QUEUE)
-    bad = {3: {"max_tokens": -1}, 11: {"logprobs": 2}, 20: {"temperature": "hot"}, 37: {"prompt": None},
+    bad = {3: {"max_tokens": -1}, 11: {"logprobs": 6}, 20: {"temperature": "hot"}, 37: {"prompt": None},
            49: {"model": ""}}
     lines = [request_line(i, 4 + i % 9, **bad.get(i, {})) for i in range(50)]
     batch = client.create_batch(lines, metadata={"test": "fifty"})

@@ -1,0 +1,65 @@
+"""Logprobs in OpenAI's shapes, from batcher's `TokenLogprob`s (what the numbers mean: batcher.schema).
+
+Chat: `logprobs: true` and `top_logprobs` (0-20) in the body; a choice's `logprobs` is
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}`.
+Completions: `logprobs` (0-5) in the body; a choice's `logprobs` is
+`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+A streamed chunk carries the logprobs of the tokens whose text it carries, in the same shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batcher.schema import MAX_TOP_LOGPROBS, TokenLogprob
+
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's limit
+
+
+class LogprobsError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def requested(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token a body asks for (0: the tokens' own only), or None for no logprobs."""
+    if chat:
+        wanted, top = body.get("logprobs", False), body.get("top_logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise LogprobsError("logprobs must be true or false", "logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                                or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise LogprobsError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if top is not None and not wanted:
+            raise LogprobsError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if wanted else None
+    wanted = body.get("logprobs")
+    if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool)
+                               or not 0 <= wanted <= MAX_COMPLETION_LOGPROBS):
+        raise LogprobsError(f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}", "logprobs")
+    return wanted
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+    return {"content": [{**_token(lp.token, lp.logprob),
+                         "top_logprobs": [_token(t.token, t.logprob) for t in lp.top_logprobs]} for lp in logprobs],
+            "refusal": None}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
+    if logprobs is None:
+        return None
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+            "text_offset": offsets}
