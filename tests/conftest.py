@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded in tests; fail fast instead of retrying
+# Triton kernels on CPU tensors run in triton's interpreter, which `@triton.jit` reads when a kernel is defined
+# (kernels.triton_kernels, imported on first use). `make gpu-check` sets it to 0 to run them on the GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
