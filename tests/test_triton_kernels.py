@@ -20,17 +20,17 @@ DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET", "0") == "0" a
                       else "cpu")
 pytest.importorskip("triton", minversion="3.9" if DEVICE.type == "cpu" else None)  # older interpreters lack bf16
 
-from batcher.config import EngineConfig  # noqa: E402
-from kernels.attention import gather_blocks, prefill_attention, write_kv  # noqa: E402
-from kernels.triton_attention import FlatAttentionMetadata  # noqa: E402
-from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all  # noqa: E402
-from workers.attention_backend import AttentionBackendError, resolve_attention_backend  # noqa: E402
+from batcher.config import EngineConfig
+from kernels.attention import gather_blocks, prefill_attention, write_kv
+from kernels.triton_attention import FlatAttentionMetadata
+from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
+from workers.attention_backend import AttentionBackendError, resolve_attention_backend
 
 pytestmark = pytest.mark.triton
 KV_HEADS = 2
 HEAD_DIM = 16
 SCALING = 0.3
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 # (cached context before the chunk, new tokens) of each sequence: decodes first, then prefill chunks.
 MIXED_STEP = [(6, 1), (37, 1), (0, 1), (0, 9), (13, 5), (0, 21), (8, 7)]
 
@@ -82,7 +82,10 @@ def torch_reference(rows, slots, caches, q, k, v, block_size, window):
 def triton_step(rows, slots, caches, q, k, v, block_size, window, padding=0):
     k_cache, v_cache = (c.clone().to(DEVICE) for c in caches)
     md = FlatAttentionMetadata.build([(k_cache, v_cache)], block_size, rows, slots, DEVICE)
-    pad = lambda t: torch.cat([t, torch.ones(padding, *t.shape[1:], dtype=t.dtype)])  # noqa: E731
+
+    def pad(t):
+        return torch.cat([t, torch.ones(padding, *t.shape[1:], dtype=t.dtype)])
+
     out = md.attend(pad(q).to(DEVICE), pad(k).to(DEVICE), pad(v).to(DEVICE), 0, SCALING, window)
     return out.cpu(), k_cache.cpu(), v_cache.cpu()
 
@@ -181,9 +184,9 @@ def test_greedy_tokens_equal_generate_with_the_triton_backend(tiny_model_dir, fa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("knobs", [dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=16),
-                                   dict(max_num_seqs=6, max_num_batched_tokens=5, block_size=1),
-                                   dict(max_num_seqs=8, max_num_batched_tokens=32, block_size=4, num_blocks=24)])
+@pytest.mark.parametrize("knobs", [{"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 16},
+                                   {"max_num_seqs": 6, "max_num_batched_tokens": 5, "block_size": 1},
+                                   {"max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 4, "num_blocks": 24}])
 def test_greedy_tokens_equal_generate_for_every_family(tiny_model_dir, family, knobs):
     model_dir = tiny_model_dir(family)
     engine = engine_for(model_dir, dtype="float32", attention_backend="triton", device=str(DEVICE), **knobs)

@@ -44,7 +44,7 @@ def start_vllm_install(out: Path) -> subprocess.Popen:
 def run_step(title: str, command: list[str], timeout: float, env: dict | None = None) -> bool:
     print(f"\n=== {title}\n$ {' '.join(command)}", flush=True)
     try:
-        return subprocess.run(command, timeout=max(1.0, timeout), env=env).returncode == 0
+        return subprocess.run(command, timeout=max(1.0, timeout), env=env, check=False).returncode == 0
     except subprocess.TimeoutExpired:
         print(f"--- {title}: timed out after {timeout:.0f} s", flush=True)
         return False
@@ -84,7 +84,7 @@ def run_vllm(out: Path, install: subprocess.Popen, deadline: float, model: str, 
                str(vllm_requests(out, model, dtype))]
     print(f"\n=== vLLM on {', '.join(WORKLOADS)}\n$ {' '.join(command)}", flush=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=VLLM_RUN_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=VLLM_RUN_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         print("vLLM timed out: no vLLM column", flush=True)
         return None
@@ -97,7 +97,8 @@ def run_vllm(out: Path, install: subprocess.Popen, deadline: float, model: str, 
 
 def summary(out: Path, vllm: dict | None) -> str:
     """One table over the bench reports (and vLLM's results): generated tokens/s and ratios."""
-    lines = [f"{'workload':<12}{'system':<22}{'wall s':>8}{'gen tok/s':>11}{'x hf-cb':>9}{'x vLLM':>8}  greedy vs batcher"]
+    lines = [(f"{'workload':<12}{'system':<22}{'wall s':>8}{'gen tok/s':>11}{'x hf-cb':>9}{'x vLLM':>8}"
+              "  greedy vs batcher")]
     for workload in WORKLOADS:
         path = out / f"{workload}.json"
         if not path.exists():
@@ -110,9 +111,8 @@ def summary(out: Path, vllm: dict | None) -> str:
             result = vllm[workload]
             rows[VLLM] = (result["wall_s"], result["generated_tokens"] / result["wall_s"], "- (not compared)")
         for system, (wall, tok_s, agree) in rows.items():
-            ratio = lambda other: f"{tok_s / rows[other][1]:.2f}x" if other in rows else "-"  # noqa: E731
-            lines.append(f"{workload:<12}{system:<22}{wall:>8.2f}{tok_s:>11.1f}{ratio('hf-cb'):>9}{ratio(VLLM):>8}"
-                         f"  {agree}")
+            to_hf, to_vllm = (f"{tok_s / rows[other][1]:.2f}x" if other in rows else "-" for other in ("hf-cb", VLLM))
+            lines.append(f"{workload:<12}{system:<22}{wall:>8.2f}{tok_s:>11.1f}{to_hf:>9}{to_vllm:>8}  {agree}")
         lines.append(f"{'':<12}{report['model']} in {report['dtype']} on {report['device']}")
     return "\n".join(lines)
 

@@ -23,7 +23,8 @@ GPU_MEMORY_UTILIZATION = 0.5  # the workloads are small; leave room for the othe
 def main(path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    spec = json.load(open(path))
+    with open(path) as f:
+        spec = json.load(f)
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], block_size=spec["block_size"],
               enable_prefix_caching=True, gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0)
