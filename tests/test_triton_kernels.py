@@ -30,7 +30,8 @@ pytestmark = pytest.mark.triton
 KV_HEADS = 2
 HEAD_DIM = 16
 SCALING = 0.3
-TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+             torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 # (cached context before the chunk, new tokens) of each sequence: decodes first, then prefill chunks.
 MIXED_STEP = [(6, 1), (37, 1), (0, 1), (0, 9), (13, 5), (0, 21), (8, 7)]
 
@@ -104,6 +105,7 @@ def check_step(gqa, block_size, window, dtype, spec=MIXED_STEP, seed=0):
     (2, 1, None, torch.float32),
     (4, 32, 7, torch.float32),
     (8, 16, None, torch.bfloat16),
+    (2, 32, 16, torch.float16),
     (3, 16, 12, torch.bfloat16),  # SmolLM2's ratio: not a power of two
 ])
 def test_a_mixed_step_matches_the_torch_path(gqa, block_size, window, dtype):
