@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup test test-slow demo clean
+.PHONY: setup test test-slow gpu-check demo clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
+# On one GPU: the Triton kernel tests on CUDA, greedy equality with generate, and batcher bench against
+# hf-cb (and vLLM where it installs) in one table (workers/bench/gpu_check.py).
+gpu-check: $(STAMP)
+	$(PY) -m workers.bench.gpu_check
+
 demo: $(STAMP)
 	$(VENV)/bin/batcher demo
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-vllm gpu-check *.egg-info .pytest_cache

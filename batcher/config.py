@@ -13,6 +13,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DTYPE = "auto"  # the fastest dtype the device has, measured at start-up (workers.precision)
 DEFAULT_DEVICE = "auto"
 DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash per filled block
+ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON = "auto", "torch", "triton"
+ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON)
+DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, torch (the reference) on a CPU
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
 Policy = Literal["continuous", "static"]
@@ -36,6 +39,7 @@ class EngineConfig:
     policy: Policy = "continuous"
     compile: bool = False  # torch.compile the forward of small steps: faster steps, a slower start
     prefix_caching: bool = DEFAULT_PREFIX_CACHING
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
@@ -49,3 +53,6 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")

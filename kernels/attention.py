@@ -227,6 +227,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetad
            scaling: float, sliding_window: int | None) -> torch.Tensor:
     """One layer's attention over the step: `q [T, H, D]`, `k/v [T, Hkv, D]`; it also writes the new
     keys and values to the layer's cache. Rows past `md.num_tokens` are padding: they get zeros."""
+    if getattr(md, "backend", None) == "triton":  # kernels.triton_attention.FlatAttentionMetadata
+        return md.attend(q, k, v, layer_idx, scaling, sliding_window)
     n = md.num_tokens
     k_cache, v_cache = md.kv_caches[layer_idx]
     write_kv(k[:n], v[:n], k_cache, v_cache, md.slot_mapping)

@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded in tests; fail fast instead of retrying
+# Triton kernels on CPU tensors run in triton's interpreter, which `@triton.jit` reads when a kernel is defined
+# (kernels.triton_kernels, imported on first use). `make gpu-check` sets it to 0 to run them on the GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
@@ -23,3 +26,14 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long variants (`@pytest.mark.slow`) run only when asked for with a marker expression (`pytest -m slow`,
+    `-m triton`), as tests/reliability/conftest.py does for its own."""
+    if config.getoption("markexpr"):
+        return
+    skip = pytest.mark.skip(reason="a long variant: run it with `pytest -m slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
-                          Qwen2Config)
+                          Qwen2Config, Qwen3Config)
 
 VOCAB_SIZE = 384
 CHAT_TEMPLATE = (
@@ -38,6 +38,11 @@ FAMILIES = {
     "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=VOCAB_SIZE,
                                bos_token_id=1, eos_token_id=2),
 }
+# Built on demand only (not a `family` of every engine test): the GPU check's tiny Qwen3 (q/k norms, head_dim).
+MORE_FAMILIES = {
+    "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, **COMMON),
+}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -54,7 +59,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_model(family: str, path: Path, **config_overrides) -> Path:
     """Write a tiny random model of `family` and the tokenizer to `path`; return `path`."""
     torch.manual_seed(0)
-    config = FAMILIES[family]()
+    config = {**FAMILIES, **MORE_FAMILIES}[family]()
     for name, value in config_overrides.items():
         setattr(config, name, value)
     model = AutoModelForCausalLM.from_config(config)

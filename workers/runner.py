@@ -4,6 +4,9 @@ The runner only executes: it gets `{sequence: n_tokens}` from the scheduler, pac
 sequence's new tokens into one row with explicit positions and cache slots, and returns the
 logits of the sequences that sample this step.
 
+Attention runs on the torch backend (decode groups and prefill spans planned here) or the Triton one
+(flat arrays, `kernels.triton_attention`), as `EngineConfig.attention_backend` resolves.
+
 How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
 (`workers.packed_linear`); with `EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a
 compiled forward (`workers.compiled_forward`), padded to a few token-count buckets.
@@ -17,10 +20,12 @@ import logging
 import torch
 
 from batcher.blocks import blocks_needed
-from batcher.config import EngineConfig
+from batcher.config import ATTENTION_TRITON, EngineConfig
 from batcher.scheduler import StepPlan
 from batcher.sequence import Sequence
 from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, length_bias, step_metadata
+from kernels.triton_attention import FlatAttentionMetadata
+from workers.attention_backend import resolve_attention_backend
 from workers.compiled_forward import CompiledForward
 from workers.models import LoadedModel
 from workers.packed_linear import can_pack, pack_linears
@@ -61,6 +66,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
+        self.flat_attention = resolve_attention_backend(config.attention_backend, self.device) == ATTENTION_TRITON
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
         if can_pack(self.device, self.dtype):
             log.info("packed %d linear weights for oneDNN", pack_linears(self.model))
@@ -152,7 +158,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
         K sequences whose prompt is now fully computed, in the order returned."""
-        decodes, decode_groups = self._plan_decodes([s for s, n in plan.num_tokens.items() if n == 1])
+        decodes = [s for s, n in plan.num_tokens.items() if n == 1]
+        decodes, decode_groups = (decodes, []) if self.flat_attention else self._plan_decodes(decodes)
         prefills = [(s, n) for s, n in plan.num_tokens.items() if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -160,13 +167,15 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         sampling: list[Sequence] = []
         last_rows: list[int] = []
+        rows: list[tuple[list[int], int, int]] = []  # (block table, first position, new tokens), for flat attention
         for seq, n in [(s, 1) for s in decodes] + prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
-            if n > 1:
+            rows.append((seq.block_table, start, n))
+            if n > 1 and not self.flat_attention:
                 context = None if start == 0 else torch.tensor(seq.block_table[: blocks_needed(end, self.block_size)],
                                                                device=self.device)
                 spans.append(PrefillSpan(row, n, start, context))
@@ -174,22 +183,25 @@ class ModelRunner:
                 sampling.append(seq)
                 last_rows.append(row + n - 1)
 
-        metadata = AttentionMetadata(
-            kv_caches=self.kv_caches,
-            num_tokens=len(input_ids),
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
-            num_decodes=len(decodes),
-            block_size=self.block_size,
-            decode_groups=decode_groups,
-            prefills=spans,
-        )
+        if self.flat_attention:
+            metadata = FlatAttentionMetadata.build(self.kv_caches, self.block_size, rows, slot_mapping, self.device)
+        else:
+            metadata = AttentionMetadata(
+                kv_caches=self.kv_caches,
+                num_tokens=len(input_ids),
+                slot_mapping=torch.tensor(slot_mapping, device=self.device),
+                num_decodes=len(decodes),
+                block_size=self.block_size,
+                decode_groups=decode_groups,
+                prefills=spans,
+            )
         if not sampling:
             last_rows = [len(input_ids) - 1]  # the LM head needs at least one row; its logits are unused
         logits = self._forward(input_ids, positions, last_rows, metadata)
         return logits[: len(sampling)].float(), sampling
 
     def _forward(self, input_ids: list[int], positions: list[int], last_rows: list[int],
-                 metadata: AttentionMetadata) -> torch.Tensor:
+                 metadata: AttentionMetadata | FlatAttentionMetadata) -> torch.Tensor:
         """Logits of `last_rows` (and maybe of padding rows after them). A step that fits a compiled
         bucket is padded to it and runs the compiled forward; any other runs eagerly."""
         model = self.model
@@ -211,5 +223,6 @@ class ModelRunner:
     @torch.inference_mode()
     def _run_idle_step(self, num_tokens: int) -> None:
         """A step of `num_tokens` padding rows and no real token: it touches no cache, and compiles a bucket."""
+        idle = FlatAttentionMetadata if self.flat_attention else AttentionMetadata
         self._forward([PAD_TOKEN_ID] * num_tokens, [0] * num_tokens, [0],
-                      AttentionMetadata.idle(self.kv_caches, self.block_size, self.device))
+                      idle.idle(self.kv_caches, self.block_size, self.device))

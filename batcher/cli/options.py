@@ -53,6 +53,10 @@ def engine_options(func):
         click.option("--dtype", type=click.Choice(c.DTYPES), default=c.DEFAULT_DTYPE, envvar="BATCHER_DTYPE",
                      show_default=True, help="auto: bf16 on a GPU that has it; on a CPU, bf16 only where a "
                      "start-up matmul race shows it faster than fp32."),
+        click.option("--attention-backend", type=click.Choice(c.ATTENTION_BACKENDS),
+                     default=c.DEFAULT_ATTENTION_BACKEND, envvar="BATCHER_ATTENTION_BACKEND", show_default=True,
+                     help="auto: triton on CUDA, torch (the reference) on a CPU; triton runs on a CPU only under "
+                     "TRITON_INTERPRET=1 (for tests)."),
         click.option("--device", default=c.DEFAULT_DEVICE, envvar="BATCHER_DEVICE", show_default=True,
                      help="cpu, cuda, cuda:1 ... or auto."),
         click.option("--compile/--no-compile", default=False, envvar="BATCHER_COMPILE",
@@ -61,7 +65,7 @@ def engine_options(func):
         prefix_caching_option,
     ]
     names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
-             "kv_cache_bytes", "max_model_len", "dtype", "device", "compile", "prefix_caching"]
+             "kv_cache_bytes", "max_model_len", "dtype", "attention_backend", "device", "compile", "prefix_caching"]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

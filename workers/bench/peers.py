@@ -28,6 +28,7 @@ from workers.bench.workload import WorkloadRequest
 from workers.engine import WARMUP_REQUEST
 from workers.models import resolve
 from workers.precision import DTYPES
+from workers.runner import resolve_device
 
 HF_ATTENTION = "sdpa"
 PAD_TOKEN_ID = 0  # left padding is masked out, so any id works
@@ -37,10 +38,10 @@ RESULT_POLL_S = 0.05
 
 
 def load_hf_model(config: EngineConfig) -> torch.nn.Module:
-    """The same weights as the engine's, with transformers' own attention."""
+    """The same weights as the engine's, with transformers' own attention, on the engine's device."""
     model = AutoModelForCausalLM.from_pretrained(resolve(config.model), dtype=DTYPES[config.dtype],
                                                  attn_implementation=HF_ATTENTION)
-    return model.eval()
+    return model.to(resolve_device(config.device)).eval()
 
 
 class _StepClock(BaseStreamer):
@@ -65,8 +66,8 @@ def _generate(model, prompts: list[list[int]], max_new_tokens: int,
               start: float) -> tuple[list[list[int]], list[float]]:
     """Greedy `generate` on a left-padded group; returns each row's new tokens and the step times."""
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[PAD_TOKEN_ID] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[PAD_TOKEN_ID] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     clock = _StepClock(start)
     # keyword arguments, not a GenerationConfig: a config's eos_token_id=None reads as "unset" and
     # the model's default EOS comes back, ending rows early

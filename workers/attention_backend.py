@@ -1,0 +1,52 @@
+"""Which attention backend a worker runs (`--attention-backend auto|torch|triton`), and why not another.
+
+`torch` (kernels.attention) runs anywhere and is the reference. `triton` (kernels.triton_attention) is
+one launch per layer per step, for CUDA; on a CPU it runs only under the Triton interpreter, which is how
+the tests check it. `auto` takes triton on CUDA and torch elsewhere. FlashInfer or flash-attn could be
+further backends through their paged-KV APIs; none is offered yet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from batcher.config import ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON
+from batcher.errors import BatcherError
+
+log = logging.getLogger(__name__)
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+class AttentionBackendError(BatcherError, ValueError):
+    """An attention backend that cannot run here, with what to do instead."""
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (read by triton when a kernel is defined)."""
+    return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend to run: `name`, or for `auto` triton on a CUDA device that has it and torch elsewhere.
+    An explicit `triton` that cannot run here is refused with the reason."""
+    triton_installed = importlib.util.find_spec("triton") is not None
+    if name == ATTENTION_AUTO:
+        chosen = ATTENTION_TRITON if device.type == "cuda" and triton_installed else ATTENTION_TORCH
+        log.info("attention backend auto: %s on %s%s", chosen, device.type,
+                 " (triton is not installed)" if device.type == "cuda" and not triton_installed else "")
+        return chosen
+    if name != ATTENTION_TRITON:
+        return name
+    if not triton_installed:
+        raise AttentionBackendError("--attention-backend triton needs triton: pip install triton")
+    if device.type == "cpu" and not interpreting():
+        raise AttentionBackendError(f"--attention-backend triton runs on a CPU only under {INTERPRET_ENV}=1 "
+                                    "(an interpreter, for tests: slow); use --attention-backend torch on a CPU")
+    if device.type not in ("cpu", "cuda"):
+        raise AttentionBackendError(f"--attention-backend triton runs on CUDA devices, not {device.type}")
+    return ATTENTION_TRITON
