@@ -10,7 +10,7 @@ import pytest
 from batcher import keys
 from batcher.gateway.jobs import TextRelay
 from batcher.job_stream import AttemptFilter
-from batcher.schema import StreamEvent
+from batcher.schema import GenerationResult, StreamEvent, Usage
 from workers.streams import StreamWriter
 
 JOB, EXECUTION = "job-1", "exec-1"
@@ -80,7 +80,8 @@ def test_an_end_transaction_that_finds_lost_events_writes_the_stream_again_after
     w.flush(force=True)
     lose_last_event(connection)
     w.token(EXECUTION, " there", [8], 1)
-    w.end(EXECUTION, StreamEvent(type="done", finish_reason="length"), 600)
+    w.end(EXECUTION, "finished", GenerationResult(text="Hi there", token_ids=[7, 8], finish_reason="length",
+                                                  usage=Usage(prompt_tokens=1, completion_tokens=2)), None, 600)
     with connection.pipeline() as pipe:
         pipe.multi()
         w.write_with(pipe, EXECUTION)
@@ -101,7 +102,8 @@ def test_an_intact_stream_is_written_on_without_a_restart(writer):
     for i, piece in enumerate(["a", "b", "c"]):
         w.token(EXECUTION, piece, [i], i)
         w.flush(force=True)
-    w.end(EXECUTION, StreamEvent(type="done", finish_reason="stop"), 600)
+    w.end(EXECUTION, "finished", GenerationResult(text="Hi", token_ids=[7], finish_reason="stop",
+                                                  usage=Usage(prompt_tokens=1, completion_tokens=1)), None, 600)
     with connection.pipeline() as pipe:
         pipe.multi()
         w.write_with(pipe, EXECUTION)

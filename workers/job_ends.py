@@ -8,7 +8,7 @@ writes nothing more of it, and another worker's run of the job is never overwrit
 from __future__ import annotations
 
 from batcher import durability, keys
-from batcher.job_life import record_end, terminal_event
+from batcher.job_life import record_end
 from batcher.rq_adapter import BaseJobWorker
 from workers.in_flight import InFlight
 from workers.leases import fenced, release_on
@@ -25,7 +25,7 @@ def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlig
     for f in ended:
         if not f.end_event_buffered:
             ttl = f.result_ttl if f.end.status == "finished" else f.failure_ttl
-            streams.end(f.id, terminal_event(f.end.status, f.end.result, f.end.reason), ttl)
+            streams.end(f.id, f.end.status, f.end.result, f.end.reason, ttl)
             f.end_event_buffered = True
     recorded: list[InFlight] = []
 

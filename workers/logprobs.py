@@ -51,9 +51,9 @@ class Logprobs:
         top_values, top_ids = captured.top_values.tolist(), captured.top_ids.tolist()
         for j, i in enumerate(captured.rows):
             k = seqs[i].sampling.logprobs
-            top = [TopLogprob.model_construct(token=self.text(t), logprob=v)
+            top = [TopLogprob(token=self.text(t), logprob=v)
                    for t, v in zip(top_ids[j][:k], top_values[j][:k]) if math.isfinite(v)]
-            self._pending[seqs[i].request_id] = TokenLogprob.model_construct(
+            self._pending[seqs[i].request_id] = TokenLogprob(
                 token=self.text(tokens[i]), logprob=max(chosen[j], IMPOSSIBLE_LOGPROB), top_logprobs=top)
 
     def pop(self, request_id: str) -> TokenLogprob | None:

@@ -179,7 +179,7 @@ class JobWorker(BaseJobWorker):
         stops = self.jobs.take_stop_requests()
         for f in self.jobs.lost():
             self._lose(f)
-        for f in [f for f in self.jobs if f.job.id in stops]:
+        for f in [f for f in self.jobs if f.job.id in stops] if stops else []:
             self._abort(f, "cancelled")
         moment = time.monotonic()
         for f in [f for f in self.jobs if f.timeout_at is not None and moment >= f.timeout_at]:
