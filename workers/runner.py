@@ -16,10 +16,9 @@ import logging
 
 import torch
 
-from batcher.blocks import blocks_needed
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Sequence
-from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, length_bias, step_metadata
+from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_runs, length_bias, step_metadata
 from workers.compiled_forward import CompiledForward
 from workers.models import LoadedModel
 from workers.packed_linear import can_pack, pack_linears
@@ -127,8 +126,9 @@ class ModelRunner:
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
         lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
         bias = length_bias(lens, width * self.block_size, self.dtype)
+        runs = decode_runs([s.block_table for s in decodes], lens.tolist(), self.block_size, self.device)
         return DecodeGroup(start, start + len(decodes), tables.to(self.device), lens.to(self.device),
-                           bias.to(self.device))
+                           bias.to(self.device), runs=runs)
 
     def _shared_group(self, decodes: list[Sequence], shared: int, start: int) -> DecodeGroup:
         """Decodes at rows `start...` that all start from the same `shared` blocks: one row of blocks (those
@@ -166,9 +166,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
             if n > 1:
-                context = None if start == 0 else torch.tensor(seq.block_table[: blocks_needed(end, self.block_size)],
-                                                               device=self.device)
-                spans.append(PrefillSpan(row, n, start, context))
+                spans.append(PrefillSpan.of(row, n, start, seq.block_table, self.block_size, self.device))
             if batch.samples(seq):
                 sampling.append(seq)
                 last_rows.append(row + n - 1)
