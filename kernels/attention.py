@@ -73,6 +73,7 @@ class DecodeGroup:
     bias: torch.Tensor  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding (shared: see below)
     shared_blocks: int = 0  # how many blocks of the single row all decodes share
     runs: list[list[Run]] | None = None  # each decode's keys as runs of cache rows: the fused path (`decode_runs`)
+    prefix_runs: list[Run] | None = None  # shared: the prefix's keys as runs of cache rows (`shared_prefix_runs`)
 
 
 @dataclass
@@ -101,6 +102,11 @@ def decode_runs(block_tables: list[list[int]], context_lens: list[int], block_si
     if device.type != "cpu" or sum(context_lens) < SEGMENTED_DECODE_MIN_KEYS * len(context_lens):
         return None
     return [key_runs(table, n, block_size) for table, n in zip(block_tables, context_lens)]
+
+
+def shared_prefix_runs(prefix_blocks: list[int], block_size: int, device: torch.device) -> list[Run] | None:
+    """The cache rows of a prefix that decodes share, for the fused path; None where it does not run."""
+    return key_runs(prefix_blocks, len(prefix_blocks) * block_size, block_size) if device.type == "cpu" else None
 
 
 def length_bias(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -248,6 +254,12 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scaling: float, sliding_window: int | None) -> torch.Tensor:
     if g.runs is not None and sliding_window is None:
         return segmented.decode(q, k_cache, v_cache, g.runs, scaling)
+    if g.prefix_runs is not None and sliding_window is None:
+        prefix_len = g.shared_blocks * block_size
+        own_blocks = g.block_tables[0, g.shared_blocks :].view(g.end - g.start, -1)
+        own_bias = length_bias(g.context_lens - prefix_len, own_blocks.shape[1] * block_size, q.dtype)
+        return segmented.shared_prefix_decode(q, k_cache, v_cache, g.prefix_runs, own_blocks, own_bias, block_size,
+                                              scaling)
     if g.shared_blocks:
         return shared_prefix_decode_attention(q, k_cache, v_cache, g.block_tables, g.bias, block_size, scaling,
                                               g.shared_blocks, g.context_lens, sliding_window)

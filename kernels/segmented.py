@@ -85,6 +85,32 @@ def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ru
     return torch.cat(outs).view(batch, heads, dim)
 
 
+def shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         prefix_runs: list[Run], own_blocks: torch.Tensor, own_bias: torch.Tensor, block_size: int,
+                         scaling: float) -> torch.Tensor:
+    """Decodes `query [B, H, D]` that all start from the same cached keys (`prefix_runs`), each followed by its
+    own blocks (`own_blocks [B, W]`, padded; `own_bias [B, W * block_size]` hides the padding). Every decode's
+    queries of a KV head meet the prefix in one call, reading it once and with no mask; each decode's own keys
+    come in one padded call; the two merge."""
+    batch, heads, dim = query.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    q = query.view(batch, kv_heads, group, dim)
+    folded = q.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
+    prefix = [_flash(folded, k, v, 0.0, False, scale=scaling)
+              for k, v in zip(_rows(head_major(k_cache), prefix_runs), _rows(head_major(v_cache), prefix_runs))]
+    lse = prefix[0][1] if len(prefix) == 1 else torch.stack([lse for _, lse in prefix]).logsumexp(0)
+    out = merge(prefix, query.dtype)
+    parts = [(out[0].view(kv_heads, batch, group, dim).transpose(0, 1),
+              lse[0].view(kv_heads, batch, group).transpose(0, 1))]
+    flat = own_blocks.reshape(-1)
+    own_keys = k_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    own_values = v_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(batch, -1, kv_heads, dim)
+    parts.append(_flash(q, own_keys.transpose(1, 2), own_values.transpose(1, 2), 0.0, False,
+                        attn_mask=own_bias[:, None, None, :].to(query.dtype), scale=scaling))
+    return merge(parts, query.dtype).reshape(batch, heads, dim)
+
+
 def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, context_runs: list[Run], scaling: float) -> torch.Tensor:
     """A prompt chunk `query [n, H, D]` with its own keys and values `[n, Hkv, D]`, after the cached keys of

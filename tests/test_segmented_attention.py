@@ -162,3 +162,30 @@ def test_other_devices_keep_the_reference_path():
     assert decode_runs([[1, 2, 3]], [600], 4, meta) is None
     assert PrefillSpan.of(0, 4, 8, [1, 2, 3], 4, meta).context_runs is None
     assert PrefillSpan.of(0, 4, 0, [1], 4, torch.device("cpu")).context_blocks is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix_run", [1, 100])  # the shared prefix in scattered blocks, or one view
+def test_decodes_sharing_a_prefix_match_dense(dtype, prefix_run):
+    """Decodes that start from the same cached blocks read them in one call, each with its own blocks beside."""
+    rng = random.Random(prefix_run)
+    torch.manual_seed(11)
+    heads, kv_heads, dim, block_size, pool = 6, 2, 8, 4, 300
+    prefix = scattered_table(rng, 7, pool, prefix_run)  # 28 shared keys
+    own_lens = [1, 9, 4]
+    own = [[b for b in scattered_table(rng, 3, pool, 2) if b not in prefix][: -(-n // block_size)] for n in own_lens]
+    k_cache = torch.randn(pool * block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(pool * block_size, kv_heads, dim).to(dtype)
+    width = max(map(len, own))
+    own_blocks = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in own])
+    own_bias = length_bias(torch.tensor(own_lens), width * block_size, dtype)
+    q = torch.randn(len(own_lens), heads, dim).to(dtype)
+    got = segmented.shared_prefix_decode(q, k_cache, v_cache, key_runs(prefix, 28, block_size), own_blocks, own_bias,
+                                         block_size, 0.3)
+    assert got.dtype == dtype
+    for i, n in enumerate(own_lens):
+        table = prefix + own[i]
+        rows = [table[p // block_size] * block_size + p % block_size for p in range(28 + n)]
+        want = dense_reference(q[i : i + 1].float(), k_cache[rows].float(), v_cache[rows].float(),
+                               torch.tensor([28 + n - 1]), 0.3)
+        torch.testing.assert_close(got[i : i + 1].float(), want, **TOLERANCE[dtype])

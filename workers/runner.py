@@ -18,7 +18,8 @@ import torch
 
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Sequence
-from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_runs, length_bias, step_metadata
+from kernels.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, decode_runs, length_bias,
+                               shared_prefix_runs, step_metadata)
 from workers.compiled_forward import CompiledForward
 from workers.models import LoadedModel
 from workers.packed_linear import can_pack, pack_linears
@@ -145,7 +146,8 @@ class ModelRunner:
         bias[:, shared * self.block_size :].masked_fill_(~sees, float("-inf"))
         bias = bias.repeat_interleave(self.heads_per_kv_head, dim=0)
         return DecodeGroup(start, start + len(decodes), torch.tensor([row], device=self.device), lens.to(self.device),
-                           bias.to(self.device), shared_blocks=shared)
+                           bias.to(self.device), shared_blocks=shared,
+                           prefix_runs=shared_prefix_runs(row[:shared], self.block_size, self.device))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
