@@ -89,8 +89,11 @@ def gguf_checkpoint(model_dir: Path, dtype: str) -> Path:
     target = _root() / f"{model_dir.name}-{GGUF_TYPES[dtype]}.gguf"
     if not target.exists():
         staging = target.with_suffix(f".tmp-{os.getpid()}")
-        subprocess.run([sys.executable, str(_fetch_source() / "convert_hf_to_gguf.py"), str(model_dir),
-                        "--outfile", str(staging), "--outtype", GGUF_TYPES[dtype]], check=True)
+        done = subprocess.run([sys.executable, str(_fetch_source() / "convert_hf_to_gguf.py"), str(model_dir),
+                               "--outfile", str(staging), "--outtype", GGUF_TYPES[dtype]],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {model_dir}:\n{done.stderr[-2000:]}")
         staging.rename(target)
     return target
 
@@ -129,8 +132,8 @@ def _wait_healthy(server: subprocess.Popen, port: int) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {server.returncode} at start-up ({_root() / 'llama-server.log'} "
-                               "says why)")
+            log = _root() / "llama-server.log"
+            raise RuntimeError(f"llama-server exited with {server.returncode} at start-up ({log} says why)")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
