@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import segmented
-from kernels.segmented import Run, key_runs
+from kernels.segmented import Keys, key_rows
 
 ATTENTION_NAME = "batcher_paged"
 SEGMENTED_DECODE_MIN_KEYS = 160  # below this mean context, one padded call for a group beats a call per decode
@@ -44,7 +44,7 @@ class PrefillSpan:
     q_len: int
     ctx_start: int
     context_blocks: torch.Tensor | None
-    context_runs: list[Run] | None = None  # the cache rows of the `ctx_start` keys before the chunk (fused path)
+    context_runs: Keys | None = None  # the cache rows of the `ctx_start` keys before the chunk (fused path)
 
     @classmethod
     def of(cls, q_start: int, q_len: int, ctx_start: int, block_table: list[int], block_size: int,
@@ -53,7 +53,7 @@ class PrefillSpan:
         if ctx_start == 0:
             return cls(q_start, q_len, 0, None)
         blocks = torch.tensor(block_table[: -(-(ctx_start + q_len) // block_size)], device=device)
-        runs = key_runs(block_table, ctx_start, block_size) if device.type == "cpu" else None
+        runs = key_rows(block_table, ctx_start, block_size, device) if device.type == "cpu" else None
         return cls(q_start, q_len, ctx_start, blocks, runs)
 
 
@@ -72,8 +72,8 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [b]
     bias: torch.Tensor  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding (shared: see below)
     shared_blocks: int = 0  # how many blocks of the single row all decodes share
-    runs: list[list[Run]] | None = None  # each decode's keys as runs of cache rows: the fused path (`decode_runs`)
-    prefix_runs: list[Run] | None = None  # shared: the prefix's keys as runs of cache rows (`shared_prefix_runs`)
+    runs: list[Keys] | None = None  # each decode's keys as runs of cache rows: the fused path (`decode_runs`)
+    prefix_runs: Keys | None = None  # shared: the prefix's keys as runs of cache rows (`shared_prefix_runs`)
 
 
 @dataclass
@@ -96,17 +96,19 @@ class AttentionMetadata:
 
 
 def decode_runs(block_tables: list[list[int]], context_lens: list[int], block_size: int,
-                device: torch.device) -> list[list[Run]] | None:
+                device: torch.device) -> list[Keys] | None:
     """Each decode's keys as runs of cache rows, for the fused path; None where the padded call is faster
     (short contexts: a call per decode costs more than the padding) or the fused path does not run."""
     if device.type != "cpu" or sum(context_lens) < SEGMENTED_DECODE_MIN_KEYS * len(context_lens):
         return None
-    return [key_runs(table, n, block_size) for table, n in zip(block_tables, context_lens)]
+    return [key_rows(table, n, block_size, device) for table, n in zip(block_tables, context_lens)]
 
 
-def shared_prefix_runs(prefix_blocks: list[int], block_size: int, device: torch.device) -> list[Run] | None:
+def shared_prefix_runs(prefix_blocks: list[int], block_size: int, device: torch.device) -> Keys | None:
     """The cache rows of a prefix that decodes share, for the fused path; None where it does not run."""
-    return key_runs(prefix_blocks, len(prefix_blocks) * block_size, block_size) if device.type == "cpu" else None
+    if device.type != "cpu":
+        return None
+    return key_rows(prefix_blocks, len(prefix_blocks) * block_size, block_size, device)
 
 
 def length_bias(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 Run = tuple[int, int]  # (first cache row, number of keys)
+Keys = list[Run] | torch.Tensor  # a sequence's keys: runs of cache rows (read as views), or its rows (one gather)
 
 MAX_VIEW_RUNS = 4  # more runs than this: gather the blocks into one copy, one call
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -42,13 +43,21 @@ def key_runs(block_table: Sequence[int], num_keys: int, block_size: int) -> list
     return runs
 
 
-def _rows(cache: torch.Tensor, runs: list[Run]) -> list[torch.Tensor]:
-    """The keys (or values) of `runs` as `[1, Hkv, L, D]` tensors, from `cache [1, Hkv, slots, D]` (the
-    cache seen head-major): views of it, or one gathered copy."""
+def key_rows(block_table: Sequence[int], num_keys: int, block_size: int, device: torch.device) -> Keys:
+    """A sequence's first `num_keys` keys as the fused path reads them, built once per step: its runs, or,
+    split into more than MAX_VIEW_RUNS runs, the tensor of its cache rows."""
+    runs = key_runs(block_table, num_keys, block_size)
     if len(runs) <= MAX_VIEW_RUNS:
-        return [cache.narrow(2, s, n) for s, n in runs]
-    rows = torch.cat([torch.arange(s, s + n, device=cache.device) for s, n in runs])
-    return [cache.index_select(2, rows)]
+        return runs
+    return torch.tensor([r for start, n in runs for r in range(start, start + n)], device=device)
+
+
+def _rows(cache: torch.Tensor, keys: Keys) -> list[torch.Tensor]:
+    """The keys (or values) `keys` as `[1, Hkv, L, D]` tensors, from `cache [1, Hkv, slots, D]` (the cache seen
+    head-major): views of it, or one gathered copy."""
+    if isinstance(keys, torch.Tensor):
+        return [cache.index_select(2, keys)]
+    return [cache.narrow(2, s, n) for s, n in keys]
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -70,7 +79,7 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) ->
     return out.to(dtype)
 
 
-def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: list[list[Run]],
+def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: list[Keys],
            scaling: float) -> torch.Tensor:
     """One query per sequence, `query [B, H, D]`, each over the keys of its `runs`; returns `[B, H, D]`.
     A sequence's query heads that share a KV head are its query rows there, so keys are read once."""
@@ -86,7 +95,7 @@ def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ru
 
 
 def shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         prefix_runs: list[Run], own_blocks: torch.Tensor, own_bias: torch.Tensor, block_size: int,
+                         prefix_runs: Keys, own_blocks: torch.Tensor, own_bias: torch.Tensor, block_size: int,
                          scaling: float) -> torch.Tensor:
     """Decodes `query [B, H, D]` that all start from the same cached keys (`prefix_runs`), each followed by its
     own blocks (`own_blocks [B, W]`, padded; `own_bias [B, W * block_size]` hides the padding). Every decode's
@@ -112,7 +121,7 @@ def shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, context_runs: list[Run], scaling: float) -> torch.Tensor:
+            v_cache: torch.Tensor, context_runs: Keys, scaling: float) -> torch.Tensor:
     """A prompt chunk `query [n, H, D]` with its own keys and values `[n, Hkv, D]`, after the cached keys of
     `context_runs` (all of which precede it): causal over the chunk, full over the context."""
     n, heads, dim = query.shape

@@ -9,7 +9,9 @@ import torch
 from kernels import segmented
 from kernels.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, attend, decode_runs, length_bias,
                                write_kv)
-from kernels.segmented import key_runs
+from kernels.segmented import MAX_VIEW_RUNS, key_rows, key_runs
+
+CPU = torch.device("cpu")
 from tests.test_kernels import dense_reference
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -45,6 +47,11 @@ def test_runs_cover_exactly_the_keys_in_order(block_size):
         rows = [r for start, n in runs for r in range(start, start + n)]
         assert rows == [table[p // block_size] * block_size + p % block_size for p in range(num_keys)]
         assert all(a + n != b for (a, n), (b, _) in zip(runs, runs[1:])), "adjacent runs must be joined"
+        keys = key_rows(table, num_keys, block_size, CPU)
+        if len(runs) > MAX_VIEW_RUNS:  # read in one gather of its rows, built once per step
+            assert keys.tolist() == rows
+        else:
+            assert keys == runs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,7 +73,7 @@ def test_decode_over_runs_matches_dense(dtype, heads, kv_heads, run):
         fill(k_cache, v_cache, table, k.to(dtype), v.to(dtype), block_size)
         tables.append(table), keys.append(k), values.append(v)
     q = torch.randn(len(lens), heads, dim)
-    runs = [key_runs(t, n, block_size) for t, n in zip(tables, lens)]
+    runs = [key_rows(t, n, block_size, CPU) for t, n in zip(tables, lens)]
     got = segmented.decode(q.to(dtype), k_cache, v_cache, runs, 0.3)
     assert got.dtype == dtype and got.shape == q.shape
     for i, n in enumerate(lens):
@@ -93,7 +100,7 @@ def test_chunk_after_cached_keys_matches_dense(dtype, heads, kv_heads, ctx_start
     fill(k_cache, v_cache, table, keys, values, block_size)
     q = torch.randn(n, heads, dim).to(dtype)
     got = segmented.prefill(q, keys[ctx_start:], values[ctx_start:], k_cache, v_cache,
-                            key_runs(table, ctx_start, block_size), 0.4)
+                            key_rows(table, ctx_start, block_size, CPU), 0.4)
     want = dense_reference(q.float(), keys.float(), values.float(), torch.arange(ctx_start, length), 0.4)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
@@ -180,8 +187,8 @@ def test_decodes_sharing_a_prefix_match_dense(dtype, prefix_run):
     own_blocks = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in own])
     own_bias = length_bias(torch.tensor(own_lens), width * block_size, dtype)
     q = torch.randn(len(own_lens), heads, dim).to(dtype)
-    got = segmented.shared_prefix_decode(q, k_cache, v_cache, key_runs(prefix, 28, block_size), own_blocks, own_bias,
-                                         block_size, 0.3)
+    prefix_keys = key_rows(prefix, 28, block_size, CPU)
+    got = segmented.shared_prefix_decode(q, k_cache, v_cache, prefix_keys, own_blocks, own_bias, block_size, 0.3)
     assert got.dtype == dtype
     for i, n in enumerate(own_lens):
         table = prefix + own[i]
