@@ -11,6 +11,11 @@ the op `batcher::paged_attention`, which the compiler treats as opaque.
 
 Each layer writes the new keys and values of *all* sequences before any of them attends: with prefix
 caching, a sequence may start from blocks that another sequence fills in the same step.
+
+On a CPU, decodes at long contexts and prompt chunks after cached keys take the fused path of
+`kernels.segmented` (flash attention over views of the cache, merged by log-sum-exp) when the runner gives
+their keys as runs of cache rows (`decode_runs`, `context_runs`); the padded, masked paths below are the
+reference, and serve sliding windows, short contexts and other devices.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import segmented
+from kernels.segmented import Keys, key_rows
+
 ATTENTION_NAME = "batcher_paged"
+SEGMENTED_DECODE_MIN_KEYS = 160  # below this mean context, one padded call for a group beats a call per decode
 
 
 @dataclass
@@ -35,6 +44,17 @@ class PrefillSpan:
     q_len: int
     ctx_start: int
     context_blocks: torch.Tensor | None
+    context_runs: Keys | None = None  # the cache rows of the `ctx_start` keys before the chunk (fused path)
+
+    @classmethod
+    def of(cls, q_start: int, q_len: int, ctx_start: int, block_table: list[int], block_size: int,
+           device: torch.device) -> PrefillSpan:
+        """The span of a chunk at cache positions `[ctx_start, ctx_start + q_len)` of a sequence's blocks."""
+        if ctx_start == 0:
+            return cls(q_start, q_len, 0, None)
+        blocks = torch.tensor(block_table[: -(-(ctx_start + q_len) // block_size)], device=device)
+        runs = key_rows(block_table, ctx_start, block_size, device) if device.type == "cpu" else None
+        return cls(q_start, q_len, ctx_start, blocks, runs)
 
 
 @dataclass
@@ -52,6 +72,8 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [b]
     bias: torch.Tensor  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding (shared: see below)
     shared_blocks: int = 0  # how many blocks of the single row all decodes share
+    runs: list[Keys] | None = None  # each decode's keys as runs of cache rows: the fused path (`decode_runs`)
+    prefix_runs: Keys | None = None  # shared: the prefix's keys as runs of cache rows (`shared_prefix_runs`)
 
 
 @dataclass
@@ -71,6 +93,22 @@ class AttentionMetadata:
              device: torch.device) -> AttentionMetadata:
         """A step with no real token (every row is padding): what compiling a graph runs."""
         return cls(kv_caches, 0, torch.empty(0, dtype=torch.long, device=device), 0, block_size, [], [])
+
+
+def decode_runs(block_tables: list[list[int]], context_lens: list[int], block_size: int,
+                device: torch.device) -> list[Keys] | None:
+    """Each decode's keys as runs of cache rows, for the fused path; None where the padded call is faster
+    (short contexts: a call per decode costs more than the padding) or the fused path does not run."""
+    if device.type != "cpu" or sum(context_lens) < SEGMENTED_DECODE_MIN_KEYS * len(context_lens):
+        return None
+    return [key_rows(table, n, block_size, device) for table, n in zip(block_tables, context_lens)]
+
+
+def shared_prefix_runs(prefix_blocks: list[int], block_size: int, device: torch.device) -> Keys | None:
+    """The cache rows of a prefix that decodes share, for the fused path; None where it does not run."""
+    if device.type != "cpu":
+        return None
+    return key_rows(prefix_blocks, len(prefix_blocks) * block_size, block_size, device)
 
 
 def length_bias(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -216,6 +254,14 @@ def current_metadata() -> AttentionMetadata:
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, block_size: int,
                   scaling: float, sliding_window: int | None) -> torch.Tensor:
+    if g.runs is not None and sliding_window is None:
+        return segmented.decode(q, k_cache, v_cache, g.runs, scaling)
+    if g.prefix_runs is not None and sliding_window is None:
+        prefix_len = g.shared_blocks * block_size
+        own_blocks = g.block_tables[0, g.shared_blocks :].view(g.end - g.start, -1)
+        own_bias = length_bias(g.context_lens - prefix_len, own_blocks.shape[1] * block_size, q.dtype)
+        return segmented.shared_prefix_decode(q, k_cache, v_cache, g.prefix_runs, own_blocks, own_bias, block_size,
+                                              scaling)
     if g.shared_blocks:
         return shared_prefix_decode_attention(q, k_cache, v_cache, g.block_tables, g.bias, block_size, scaling,
                                               g.shared_blocks, g.context_lens, sliding_window)
@@ -240,6 +286,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetad
                                              sliding_window)
     for span in md.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
+        if span.context_runs is not None and sliding_window is None:
+            out[rows] = segmented.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.context_runs, scaling)
+            continue
         if span.context_blocks is None:
             ctx_k, ctx_v = k[rows], v[rows]
         else:

@@ -19,11 +19,11 @@ import logging
 
 import torch
 
-from batcher.blocks import blocks_needed
 from batcher.config import ATTENTION_TRITON, EngineConfig
 from batcher.scheduler import StepPlan
 from batcher.sequence import Sequence
-from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, length_bias, step_metadata
+from kernels.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, decode_runs, length_bias,
+                               shared_prefix_runs, step_metadata)
 from kernels.triton_attention import FlatAttentionMetadata
 from workers.attention_backend import resolve_attention_backend
 from workers.compiled_forward import CompiledForward
@@ -134,8 +134,9 @@ class ModelRunner:
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
         lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
         bias = length_bias(lens, width * self.block_size, self.dtype)
+        runs = decode_runs([s.block_table for s in decodes], lens.tolist(), self.block_size, self.device)
         return DecodeGroup(start, start + len(decodes), tables.to(self.device), lens.to(self.device),
-                           bias.to(self.device))
+                           bias.to(self.device), runs=runs)
 
     def _shared_group(self, decodes: list[Sequence], shared: int, start: int) -> DecodeGroup:
         """Decodes at rows `start...` that all start from the same `shared` blocks: one row of blocks (those
@@ -152,7 +153,8 @@ class ModelRunner:
         bias[:, shared * self.block_size :].masked_fill_(~sees, float("-inf"))
         bias = bias.repeat_interleave(self.heads_per_kv_head, dim=0)
         return DecodeGroup(start, start + len(decodes), torch.tensor([row], device=self.device), lens.to(self.device),
-                           bias.to(self.device), shared_blocks=shared)
+                           bias.to(self.device), shared_blocks=shared,
+                           prefix_runs=shared_prefix_runs(row[:shared], self.block_size, self.device))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
@@ -176,9 +178,7 @@ class ModelRunner:
             slot_mapping.extend(self._slots(seq, start, end))
             rows.append((seq.block_table, start, n))
             if n > 1 and not self.flat_attention:
-                context = None if start == 0 else torch.tensor(seq.block_table[: blocks_needed(end, self.block_size)],
-                                                               device=self.device)
-                spans.append(PrefillSpan(row, n, start, context))
+                spans.append(PrefillSpan.of(row, n, start, seq.block_table, self.block_size, self.device))
             if plan.samples(seq):
                 sampling.append(seq)
                 last_rows.append(row + n - 1)

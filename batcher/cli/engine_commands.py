@@ -90,7 +90,8 @@ def _systems(ctx, param, value):
 @click.option("--workload", required=True, help="A workload file, or a bundled one: skew, skew-small, summarise, "
               "mixed, interference, doc-qa, system-prompt.")
 @click.option("--systems", callback=_systems, help="Comma-separated systems to run, in order: batcher:continuous, "
-              "batcher:static, hf-cb, hf-static, hf-naive; batcher and hf-cb systems run with their prefix cache "
+              "batcher:static, hf-cb, hf-static, hf-naive, llama-server (llama.cpp's server, built with cmake into the "
+              "cache folder on first use: minutes); batcher and hf-cb systems run with their prefix cache "
               "unless named with :no-prefix-caching, and a batcher system with the suffix @redis is served "
               "through Redis and a worker (batcher:continuous:no-prefix-caching@redis). Default: batcher with "
               "--policy.")

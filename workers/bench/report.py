@@ -79,6 +79,7 @@ class BenchReport:
     shared_prefix_tokens: int  # prompt tokens a perfect prefix cache would not compute
     roofline: Roofline
     systems: list[SystemReport] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # system -> why it could not run here
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +125,7 @@ class BenchReport:
                 lines.append(f"  ! {s.system} request {m['id']}: greedy tokens differ from {self.baseline} "
                              f"from token {m['first_difference']}")
             lines.extend(f"  note: {n}" for n in s.notes)
+        lines.extend(f"  skipped {name}: {why}" for name, why in self.skipped.items())
         return "\n".join(lines)
 
 

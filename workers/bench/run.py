@@ -2,7 +2,8 @@
 
 Systems (`workers.bench.system`): `batcher:continuous` and `batcher:static` (this engine, run here step by
 step, or through Redis and a worker with `@redis`, with or without prefix caching), and the transformers
-baselines `hf-cb`, `hf-static`, `hf-naive` (`workers.bench.peers`). They run one after the other with the
+baselines `hf-cb`, `hf-static`, `hf-naive` (`workers.bench.peers`), and llama.cpp's `llama-server`
+(`workers.bench.llama_server`; skipped, with the reason, where it cannot be built). They run one after the other with the
 same weights, slots, page size, token budget and threads; each is warmed up first and freed after.
 Metrics come from `workers.bench.report`.
 """
@@ -12,20 +13,16 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from workers.bench.llama_server import SystemUnavailable
 from workers.bench.report import BenchReport, environment, system_report
-from workers.bench.roofline import (
-    ModelCost,
-    Roofline,
-    lone_decode_step_s,
-    matmul_probe,
-    read_bandwidth,
-)
+from workers.bench.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
 from workers.bench.system import System
 from workers.bench.workload import WorkloadRequest, shared_prefix_tokens
 from workers.engine import Engine, build_engine
@@ -70,7 +67,7 @@ def run_batcher(engine: Engine, workload: list[WorkloadRequest], name: str) -> S
 
 
 def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequest],
-               redis_url: str | None = None) -> tuple[SystemRun, ModelCost]:
+               redis_url: str | None = None, threads: int = 1) -> tuple[SystemRun, ModelCost]:
     """Load the model for one system, run the workload, and return the run and the model's cost."""
     config = system.engine_config(config)
     if system.kind == "batcher":
@@ -93,6 +90,13 @@ def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequ
 
     model = peers.load_hf_model(config)
     vocab = model.get_output_embeddings().weight.shape[0]
+    if system.kind == "llama-server":
+        from workers.bench.llama_server import run_llama_server
+        from workers.models import resolve
+
+        cost = ModelCost.of(model)
+        del model  # the server loads its own copy
+        return run_llama_server(workload, vocab, Path(resolve(config.model)), config, threads, system.name), cost
     if system.kind == "hf-cb":
         num_blocks = min(num_kv_blocks(model, config), peers.workload_blocks(workload, config.block_size))
         run = peers.run_hf_cb(model, workload, vocab, config, num_blocks, system.name)
@@ -114,9 +118,15 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System],
     dtype = DTYPES[config.dtype]
     probe, read = matmul_probe(dtype, str(device)), read_bandwidth(str(device))
     runs: dict[System, SystemRun] = {}
+    skipped: dict[str, str] = {}
     cost = None
     for system in systems:
-        runs[system], cost = run_system(system, config, workload, redis_url)
+        try:
+            runs[system], cost = run_system(system, config, workload, redis_url, threads)
+        except SystemUnavailable as exc:
+            if system == baseline:
+                raise
+            skipped[system.name] = str(exc)
         gc.collect()
     # the better of before and after: the device at its best, so that the limit is a bound
     probe, read = max(probe, matmul_probe(dtype, str(device))), max(read, read_bandwidth(str(device)))
@@ -125,7 +135,7 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System],
     report = BenchReport(workload=name, model=config.model, dtype=config.dtype, threads=threads, device=device_name,
                          versions=versions, probe_gflop_s=probe / 1e9, baseline=baseline.name,
                          requests=len(workload), prompt_tokens=sum(w.prompt_len for w in workload),
-                         shared_prefix_tokens=shared_prefix_tokens(workload), roofline=roofline)
+                         shared_prefix_tokens=shared_prefix_tokens(workload), roofline=roofline, skipped=skipped)
     report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline], roofline,
-                                    report.shared_prefix_tokens) for s in systems]
+                                    report.shared_prefix_tokens) for s in systems if s in runs]
     return report

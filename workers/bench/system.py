@@ -2,7 +2,8 @@
 
 `batcher:continuous` and `batcher:static` are this engine, driven step by step; with the suffix `@redis`
 they are served through Redis and a worker instead. `hf-cb`, `hf-static` and `hf-naive` are the
-transformers baselines (`workers.bench.peers`).
+transformers baselines (`workers.bench.peers`); `llama-server` is llama.cpp's server, built on first use
+(`workers.bench.llama_server`; not in ALL_SYSTEMS, which the tests run).
 
 The systems with a prefix cache (batcher, and hf-cb with transformers' block sharing) run with it on, as
 each ships; `:no-prefix-caching` after the name turns it off (`batcher:continuous:no-prefix-caching@redis`),
@@ -20,9 +21,10 @@ REDIS_SUFFIX = "@redis"
 NO_PREFIX_CACHING_SUFFIX = ":no-prefix-caching"
 BATCHER_PREFIX = "batcher:"
 PEERS = ("hf-cb", "hf-static", "hf-naive")
+LLAMA_SERVER = "llama-server"
 
-Kind = Literal["batcher", "hf-cb", "hf-static", "hf-naive"]
-PREFIX_CACHING_KINDS = ("batcher", "hf-cb")
+Kind = Literal["batcher", "hf-cb", "hf-static", "hf-naive", "llama-server"]
+PREFIX_CACHING_KINDS = ("batcher", "hf-cb", LLAMA_SERVER)
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class System:
         through_redis = base != name
         caching = not base.endswith(NO_PREFIX_CACHING_SUFFIX)
         base = base.removesuffix(NO_PREFIX_CACHING_SUFFIX)
-        if base in PEERS and not through_redis and (caching or base in PREFIX_CACHING_KINDS):
+        if base in (*PEERS, LLAMA_SERVER) and not through_redis and (caching or base in PREFIX_CACHING_KINDS):
             return cls(base, prefix_caching=caching)
         policy = base.removeprefix(BATCHER_PREFIX)
         if base.startswith(BATCHER_PREFIX) and policy in POLICIES:
@@ -71,7 +73,7 @@ class System:
         return self.name
 
 
-BASE_SYSTEMS = tuple([f"{BATCHER_PREFIX}{p}" for p in POLICIES] + list(PEERS))
+BASE_SYSTEMS = tuple([f"{BATCHER_PREFIX}{p}" for p in POLICIES] + list(PEERS) + [LLAMA_SERVER])
 ALL_SYSTEMS = tuple(
     [f"{BATCHER_PREFIX}{p}{c}{r}" for c in ("", NO_PREFIX_CACHING_SUFFIX) for r in ("", REDIS_SUFFIX) for p in POLICIES]
     + list(PEERS) + [f"hf-cb{NO_PREFIX_CACHING_SUFFIX}"])

@@ -1,0 +1,58 @@
+"""llama.cpp's server as a bench system: named like the others, skipped with a reason where it cannot be built.
+Building it takes CPU minutes, so the run itself is `-m slow` (and needs cmake)."""
+
+import shutil
+
+import pytest
+
+from batcher.config import EngineConfig
+from workers.bench import llama_server
+from workers.bench.run import run_bench
+from workers.bench.system import ALL_SYSTEMS, System
+from workers.bench.workload import WorkloadRequest
+
+WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
+            for i, (prompt_len, max_tokens) in enumerate([(9, 3), (21, 5), (5, 4)])]
+
+
+def test_it_is_named_like_the_other_peers_and_kept_out_of_the_default_test_run():
+    assert System.parse("llama-server") == System("llama-server")
+    assert System.parse("llama-server:no-prefix-caching").name == "llama-server:no-prefix-caching"
+    with pytest.raises(ValueError, match="unknown llama-server@redis"):
+        System.parse("llama-server@redis")
+    assert "llama-server" not in ALL_SYSTEMS
+
+
+def test_a_machine_without_cmake_skips_it_with_the_reason(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHER_CACHE_DIR", str(tmp_path))  # nothing built here
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    config = EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=2, max_num_batched_tokens=16,
+                          block_size=4, kv_cache_bytes=1 << 20, dtype="float32")
+    report = run_bench(WORKLOAD, "tiny", [System.parse("batcher:continuous"), System.parse("llama-server")],
+                       System.parse("batcher:continuous"), config, threads=1)
+    assert [s.system for s in report.systems] == ["batcher:continuous"]
+    assert "cmake is missing" in report.skipped["llama-server"]
+    assert "skipped llama-server: llama-server: cmake is missing" in report.table()
+    with pytest.raises(llama_server.SystemUnavailable, match="cmake"):
+        run_bench(WORKLOAD, "tiny", [System.parse("llama-server")], System.parse("llama-server"), config, threads=1)
+
+
+def test_requests_ask_for_greedy_tokens_past_eos():
+    body = llama_server._request([5, 6, 7], 12, prefix_caching=False)
+    assert body["prompt"] == [5, 6, 7] and body["n_predict"] == 12
+    assert body["ignore_eos"] and body["top_k"] == 1 and body["temperature"] == 0.0
+    assert body["return_tokens"] and body["stream"] and body["cache_prompt"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake to build llama.cpp")
+def test_llama_server_generates_every_token_of_every_request(request):
+    """On the bundled SmolLM2 (llama.cpp's converter knows its tokenizer, not the tiny test models')."""
+    if request.config.getoption("markexpr") != "slow":
+        pytest.skip("builds llama.cpp on first use (CPU minutes): run with -m slow")
+    config = EngineConfig(model="smollm2", max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
+                          kv_cache_bytes=1 << 24, dtype="float32")
+    report = run_bench(WORKLOAD, "tiny", [System.parse("hf-naive"), System.parse("llama-server")],
+                       System.parse("hf-naive"), config, threads=1)
+    server = report.system("llama-server")
+    assert server.generated_tokens == sum(w.max_tokens for w in WORKLOAD)
