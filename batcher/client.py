@@ -36,6 +36,7 @@ from batcher.openai_batch import CHAT_URL, ENDPOINTS, BatchLineError, parse_batc
 from batcher.redis_retry import retry_while_unreachable
 from batcher.schema import (BatchItem, ChatMessage, GenerationRequest, GenerationResult, SamplingParams,
                             StreamEvent)
+from batcher.service_class import BATCH, INTERACTIVE, class_of, class_queue, parse_queue
 
 __all__ = ["Client", "connect", "JobFailed", "JobNotFound", "QueueFull", "JobInfo", "Batch", "BatchNotFound",
            "BatchInputError", "Completion"]
@@ -92,7 +93,8 @@ def connect(redis_url: str | None = None) -> Redis:
 
 
 class Client:
-    """Producer and consumer side of the jobs of one queue (`queue`; its priority levels are `queue.pN`)."""
+    """Producer and consumer side of the jobs of one queue (`queue`; its priority levels are `queue.pN`, and its
+    service classes have queues of their own: batcher/service_class.py)."""
 
     def __init__(
         self,
@@ -135,7 +137,7 @@ class Client:
     def _prepare(self, request: GenerationRequest, job_id: str | None, queue_ttl: int):
         """(the RQ queue, RQ's enqueue data) of one request."""
         base = self.queue if request.model is None else keys.model_queue(self.queue, request.model)
-        return keys.queue_name(base, request.priority), Queue.prepare_data(
+        return class_queue(base, class_of(request), request.priority, request.tenant), Queue.prepare_data(
             JOB_FUNCTION,
             args=(job_argument(request),),
             description=_description(request),
@@ -150,6 +152,9 @@ class Client:
         models = {keys.model_queue(self.queue, r.model): r.model for r in requests if r.model is not None}
         if models:
             pipe.hset(keys.MODEL_QUEUES, mapping=models)
+        classed = {name for name, _ in prepared if parse_queue(name).service_class != INTERACTIVE}
+        if classed:
+            pipe.sadd(keys.class_queues_key(self.queue), *classed)
         return [self._rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
 
     def summarise(self, document: str, instructions: str | None = None, *, sampling: SamplingParams | None = None,
@@ -297,7 +302,7 @@ class Client:
                 custom_id, request = parse_batch_line(_decoded(line), batch.endpoint)
                 request = request.model_copy(update={
                     "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id), "deadline": deadline,
-                    "priority": priority})
+                    "priority": priority, "service_class": BATCH, "tenant": owner})
                 chunk.append((index, custom_id, request, None))
                 models.add(request.model)
                 valid += 1

@@ -13,6 +13,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DTYPE = "auto"  # the fastest dtype the device has, measured at start-up (workers.precision)
 DEFAULT_DEVICE = "auto"
 DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash per filled block
+DEFAULT_MIN_BATCH_SHARE = 0.25  # of the slots, kept by batch work under any load of more urgent work
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
 Policy = Literal["continuous", "static"]
@@ -36,6 +37,7 @@ class EngineConfig:
     policy: Policy = "continuous"
     compile: bool = False  # torch.compile the forward of small steps: faster steps, a slower start
     prefix_caching: bool = DEFAULT_PREFIX_CACHING
+    min_batch_share: float = DEFAULT_MIN_BATCH_SHARE
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
@@ -45,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if not 0.0 <= self.min_batch_share <= 1.0:
+            raise ValueError(f"min_batch_share is a fraction of the slots, 0 to 1, got {self.min_batch_share}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.dtype not in DTYPES:

@@ -59,6 +59,14 @@ class FakeEngine:
         return max(0, self.max_num_seqs - len(self._requests))
 
     @property
+    def urgent_room(self) -> int:
+        return 0  # no preemption: the fake takes only what its slots hold
+
+    @property
+    def batch_deficit(self) -> int:
+        return 0
+
+    @property
     def num_running(self) -> int:
         return len(self._requests)
 

@@ -10,7 +10,8 @@ from workers.engine import Engine
 from workers.engine_api import EngineProtocol
 
 METHODS = ["add", "step", "abort", "has_work"]
-PROPERTIES = ["free_slots", "num_running", "num_waiting", "kv_cache_usage", "dtype", "prefix_cache_stats"]
+PROPERTIES = ["free_slots", "num_running", "num_waiting", "kv_cache_usage", "dtype", "prefix_cache_stats",
+              "urgent_room", "batch_deficit"]
 
 
 @pytest.mark.parametrize("impl", [Engine, FakeEngine])

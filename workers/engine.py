@@ -19,6 +19,7 @@ from batcher.blocks import BlockAllocator, PrefixCacheStats, blocks_needed
 from batcher.config import EngineConfig
 from batcher.scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from batcher.schema import GenerationRequest, SamplingParams
+from batcher.service_class import class_of, urgency_of
 from workers.detokenize import IncrementalDetokenizer
 from workers.engine_api import RequestError, RequestOutput, StepStats
 from workers.models import LoadedModel
@@ -62,7 +63,8 @@ class Engine:
         prompt_ids = self.tokenize(request)
         self._check_servable(prompt_ids, request)
         seq = Sequence(request_id, prompt_ids, request.sampling,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                       service_class=class_of(request), urgency=urgency_of(request), tenant=request.tenant)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, request.sampling.stop)
         self._requests[request_id] = _Request(seq, detok)
         self.scheduler.add(seq)
@@ -75,6 +77,16 @@ class Engine:
     def free_slots(self) -> int:
         """How many more requests could join without waiting for a slot."""
         return self.scheduler.free_slots
+
+    @property
+    def urgent_room(self) -> int:
+        """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
+        return self.scheduler.urgent_room
+
+    @property
+    def batch_deficit(self) -> int:
+        """How many batch requests to take before any other: what batch work lacks of its minimum share."""
+        return self.scheduler.batch_deficit
 
     @property
     def kv_cache_usage(self) -> float:

@@ -91,6 +91,14 @@ class EngineProtocol(Protocol):
         """How many more requests could join without waiting for a slot."""
 
     @property
+    def urgent_room(self) -> int:
+        """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
+
+    @property
+    def batch_deficit(self) -> int:
+        """How many batch requests to take before any other: what batch work lacks of its minimum share."""
+
+    @property
     def num_running(self) -> int: ...
 
     @property

@@ -42,6 +42,7 @@ from workers.rq_adapter import (WORKERS_SUSPENDED, BaseBatchWorker, Deserializat
                                 WorkerStatus, get_version)
 from workers.stats_publisher import StatsPublisher
 from workers.streams import StreamWriter
+from workers.urgency import ClassAdmission, charge_end_on
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class BatchWorker(BaseBatchWorker):
         super().__init__(list(queues), connection=connection, name=name, lease_s=int(lease_s),
                          maintenance_interval=DEFAULT_MAINTENANCE_INTERVAL_S)
         self.engine = engine
+        self.classes = ClassAdmission(self)
         self.model_name = model_name or engine.loaded.name  # the name jobs give to be routed here
         self.on_added, self.on_step, self.on_job_end = on_added, on_step, on_job_end
         self.streams = StreamWriter(connection)
@@ -240,27 +242,26 @@ class BatchWorker(BaseBatchWorker):
 
     # ----- admission -----
     def _admit(self, block: bool) -> None:
-        free = self.engine.free_slots
-        if free <= 0 or (self.engine.has_work() and time.monotonic() < self._next_scan):
+        free, extra = self.engine.free_slots, self.engine.urgent_room
+        if (free <= 0 and extra <= 0) or (self.engine.has_work() and time.monotonic() < self._next_scan):
             return
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.exists(WORKERS_SUSPENDED)
-            for queue in self.queues:
-                pipe.llen(queue.key)
-            suspended, *lengths = pipe.execute()
-        self.queue_depths = {queue.name: n for queue, n in zip(self.queues, lengths)}
+            self.classes.read_on(pipe)
+            suspended, *registries = pipe.execute()
+        self.classes.update(registries)
         self._next_scan = time.monotonic() + BUSY_RESCAN_S
         self._suspended = bool(suspended)
-        self._queues_empty = self._suspended or not any(lengths)
         if self._suspended:  # `rq suspend`: admit nothing; the jobs in flight go on
+            self._queues_empty = True
             if block:
                 self._wake.wait(IDLE_WAIT_S)
             return
+        self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit)
+        self._queues_empty = not any(self.queue_depths.values())
         taken: list[tuple[Job, Queue]] = []
-        for queue, length in zip(self.queues, lengths):
-            if length and len(taken) < free:
-                ids = self.take(queue, min(length, free - len(taken)))
-                taken += [(job, queue) for job in self._readable(queue, ids)]
+        for queue, ids in picked:
+            taken += [(job, queue) for job in self._readable(queue, ids)]
         if not taken and block:
             taken += self._wait_for_job(self.queues[0])
         if taken:
@@ -482,6 +483,7 @@ class BatchWorker(BaseBatchWorker):
             self.failure_on(pipe, f.job, f.queue, f.execution, end.reason, stopped=end.status == "stopped")
         record_job_end(pipe, job_id=f.job.id, queue=f.queue.name, status=end.status, request=f.request,
                        result=end.result, reason=end.reason)
+        charge_end_on(pipe, f.queue.name, f.request, end.result)
 
     def _lose(self, f: InFlight) -> None:
         """Another worker holds the job's lease now: drop it here and record nothing."""
