@@ -245,7 +245,9 @@ class Scheduler:
         if not self.running or not self.waiting:
             return
         slots = self.config.max_num_seqs - len(self.running)
-        free_blocks = self.allocator.num_free
+        growth = {s: self.allocator.extra_blocks(s.block_table, s.num_tokens) for s in self.running
+                  if s.num_uncomputed_tokens == 1}  # the blocks the running decodes take first
+        free_blocks = self.allocator.num_free - sum(growth.values())
         for seq in sorted(self.waiting, key=lambda s: s.urgency):
             shared, _, new = self._first_chunk(seq, self.config.max_num_batched_tokens)
             needed = new + sum(1 for b in shared if self.allocator.ref_count(b) == 0)
@@ -254,6 +256,7 @@ class Scheduler:
                 if victim is None:
                     return
                 free_blocks += sum(1 for b in victim.block_table if self.allocator.ref_count(b) == 1)
+                free_blocks += growth.get(victim, 0)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 self.urgency_preemptions[victim.service_class] = self.urgency_preemptions.get(victim.service_class, 0) + 1
