@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from batcher.schema import GenerationRequest, GenerationResult, Usage
+from batcher.service_class import SERVICE_TIERS
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -82,7 +83,7 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
     unknown = set(body) - set(SAMPLING_FIELDS) - set(IGNORED_BODY_FIELDS) - set(extra_fields) - {
-        "prompt", "messages", "model", "max_completion_tokens"}
+        "prompt", "messages", "model", "max_completion_tokens", "service_tier"}
     if unknown:
         raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     if body.get("n", 1) != 1:
@@ -92,6 +93,11 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         request["sampling"]["max_tokens"] = body["max_completion_tokens"]
     if body.get("model") is not None:
         request["model"] = body["model"]
+    if body.get("service_tier") is not None:
+        if body["service_tier"] not in SERVICE_TIERS:
+            raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {body['service_tier']!r}",
+                            param="service_tier")
+        request["service_class"] = SERVICE_TIERS[body["service_tier"]]
     if url == CHAT_URL:
         request["messages"] = body.get("messages")
     else:
