@@ -67,6 +67,10 @@ class FakeEngine:
         return 0
 
     @property
+    def urgency_preemptions(self) -> dict[str, int]:
+        return {}
+
+    @property
     def num_running(self) -> int:
         return len(self._requests)
 

@@ -11,7 +11,7 @@ from workers.engine_api import EngineProtocol
 
 METHODS = ["add", "step", "abort", "has_work"]
 PROPERTIES = ["free_slots", "num_running", "num_waiting", "kv_cache_usage", "dtype", "prefix_cache_stats",
-              "urgent_room", "batch_deficit"]
+              "urgent_room", "batch_deficit", "urgency_preemptions"]
 
 
 @pytest.mark.parametrize("impl", [Engine, FakeEngine])

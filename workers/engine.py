@@ -84,6 +84,11 @@ class Engine:
         return self.scheduler.urgent_room
 
     @property
+    def urgency_preemptions(self) -> dict[str, int]:
+        """Sequences preempted for more urgent work since the engine started, by their class."""
+        return self.scheduler.urgency_preemptions
+
+    @property
     def batch_deficit(self) -> int:
         """How many batch requests to take before any other: what batch work lacks of its minimum share."""
         return self.scheduler.batch_deficit

@@ -95,6 +95,10 @@ class EngineProtocol(Protocol):
         """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
 
     @property
+    def urgency_preemptions(self) -> dict[str, int]:
+        """Sequences preempted for more urgent work since the engine started, by their class."""
+
+    @property
     def batch_deficit(self) -> int:
         """How many batch requests to take before any other: what batch work lacks of its minimum share."""
 

@@ -54,10 +54,12 @@ def worker(redis_url, queues, engine_config, name, served_model_name, lease, bur
     if metrics_port is not None:
         from workers.metrics import EngineMetrics
 
+        from workers.class_metrics import ClassMetrics, combined_hooks
+
         metrics = EngineMetrics(engine)
         server = metrics.start_http_server(metrics_port, metrics_addr)  # after the model loaded: probes rely on it
         click.echo(f"metrics on http://{metrics_addr}:{server.server_port}/metrics", err=True)
-        hooks = metrics.worker_hooks()
+        hooks = combined_hooks(metrics.worker_hooks(), ClassMetrics(engine).worker_hooks())
     model_name = served_model_name or engine_config.model
     BatchWorker(keys.priority_queue_names(queues, model=model_name), engine, connection=connection, name=name,
                 model_name=model_name, lease_s=lease, **hooks).work(burst=burst)

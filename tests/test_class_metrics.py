@@ -1,0 +1,52 @@
+"""Metrics per service class and tenant (workers/class_metrics.py) on a real tiny engine, preempting for urgency."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from batcher.schema import Timings
+from tests.engine_helpers import engine_for, greedy, random_prompts
+from workers import class_metrics
+from workers.class_metrics import ClassMetrics, combined_hooks
+from workers.rq_worker import JobEnd
+
+
+def test_queue_time_ttft_tokens_and_urgency_preemptions_by_class_and_tenant(tiny_model_dir):
+    engine = engine_for(tiny_model_dir("llama"), max_num_seqs=2, min_batch_share=0.0)
+    registry = CollectorRegistry()
+    metrics = ClassMetrics(engine, registry)
+    hooks = combined_hooks(metrics.worker_hooks(), {"on_added": lambda worker, seq: added.append(seq.request_id)})
+    added: list[str] = []
+    prompts = random_prompts(3, seed=3, min_len=4, max_len=8)
+    requests = {"b0": greedy(prompts[0], 6).model_copy(update={"service_class": "batch", "tenant": "key-a"}),
+                "b1": greedy(prompts[1], 6).model_copy(update={"service_class": "batch", "tenant": "key-b"})}
+    for rid, request in requests.items():
+        hooks["on_added"](None, engine.add(rid, request))
+    hooks["on_step"](None, engine.step())
+    requests["i0"] = greedy(prompts[2], 3)
+    hooks["on_added"](None, engine.add("i0", requests["i0"]))
+    finals = {}
+    while engine.has_work():
+        outputs = engine.step()
+        hooks["on_step"](None, outputs)
+        finals.update({o.request_id: o for o in outputs if o.finished})
+    for rid, out in finals.items():
+        hooks["on_job_end"](None, JobEnd(rid, rid, "q", "finished", out.to_result(Timings(queue_s=0.25))))
+    assert added == ["b0", "b1", "i0"]
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, {"model_name": engine.loaded.name, **labels})
+
+    assert value("batcher_urgency_preemptions_total", service_class="batch") == 1
+    assert value("batcher_class_queue_time_seconds_count", service_class="batch") == 2
+    assert value("batcher_class_time_to_first_token_seconds_count", service_class="interactive") == 1
+    assert value("batcher_tenant_tokens_total", service_class="batch", tenant="key-a", kind="generated") == 6
+    assert value("batcher_tenant_tokens_total", service_class="interactive", tenant="none", kind="prompt") == len(prompts[2])
+
+
+def test_tenant_labels_are_bounded():
+    metrics = ClassMetrics.__new__(ClassMetrics)
+    metrics._tenants = set()
+    labels = [metrics.tenant_label(f"key-{i}") for i in range(class_metrics.MAX_TENANT_LABELS + 5)]
+    assert len(set(labels)) == class_metrics.MAX_TENANT_LABELS + 1 and labels[-1] == class_metrics.OTHER_TENANT
+    assert metrics.tenant_label("key-0") == "key-0"  # a tenant seen before keeps its label
