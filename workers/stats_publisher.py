@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from batcher import keys
 from batcher.worker_stats import WorkerState, WorkerStats
+from workers.urgency import in_flight_by_class
 
 if TYPE_CHECKING:
     from workers.rq_worker import BatchWorker
@@ -56,7 +57,8 @@ class StatsPublisher:
             model=worker.model_name, state=state, in_flight=worker.num_in_flight, free_slots=engine.free_slots,
             kv_usage=round(engine.kv_cache_usage, 4), dtype=engine.dtype,
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
-            prefix_cache_hit_rate=round(engine.prefix_cache_stats.hit_rate, 4))
+            prefix_cache_hit_rate=round(engine.prefix_cache_stats.hit_rate, 4),
+            in_flight_by_class=in_flight_by_class(worker._snapshot()))
 
     def remove(self) -> None:
         worker = self.worker

@@ -15,11 +15,11 @@ script) then takes, atomically across workers:
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from batcher import keys
 from batcher.fairness import Candidate, Picker, charge_on
-from batcher.service_class import BATCH, parse_queue, tenant_token
+from batcher.service_class import BATCH, CLASSES, INTERACTIVE, class_of, parse_queue, tenant_token
 
 GROUP_RANK = 1_000_000  # a candidate's group: class rank, then level, then the routed queue's position
 GROUP_LEVEL = 1_000
@@ -85,6 +85,12 @@ class ClassAdmission:
                                   group, batch, parsed.tenant or tenant_token(None))
             rows.append((candidate, queue))
         self._candidates = sorted(rows, key=lambda row: (row[0].group, self.routed.index(parse_queue(row[1].name).routed)))
+
+
+def in_flight_by_class(in_flight) -> str:
+    """How many jobs in flight run in each class, most urgent first (what `batcher workers` shows)."""
+    counts = Counter(class_of(f.request) if f.request is not None else INTERACTIVE for f in in_flight)
+    return ",".join(f"{c}={counts[c]}" for c in CLASSES if counts[c])
 
 
 def charge_end_on(pipe, queue_name: str, request, result) -> None:
