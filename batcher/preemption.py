@@ -53,13 +53,13 @@ def least_urgent(running):
     return max(reversed(running), key=lambda s: s.urgency)
 
 
-def urgent_room(running, waiting, floor: int) -> int:
-    """How many more priority or interactive requests could be taken with no slot free, each to preempt a
-    running batch sequence above the floor (the worker admits no more than this beyond the free slots)."""
+def urgent_room(running, waiting, floor: int, max_num_seqs: int) -> int:
+    """How many more priority or interactive requests could be taken beyond the free slots, each to preempt a
+    running batch sequence above the floor. The engine then holds at most `max_num_seqs` plus the preemptible
+    batch sequences, whatever the jobs taken turn out to be."""
     preemptible = sum(1 for s in running if s.service_class == BATCH and s.urgency[0] == BATCH_RANK)
     preemptible = min(preemptible, count_batch(running) - floor)
-    urgent_waiting = sum(1 for s in waiting if s.urgency[0] < BATCH_RANK)
-    return max(0, preemptible - urgent_waiting)
+    return max(0, preemptible - max(0, len(running) + len(waiting) - max_num_seqs))
 
 
 def batch_deficit(running, waiting, floor: int) -> int:

@@ -152,7 +152,7 @@ class Scheduler:
         """More urgent requests that could be taken beyond the free slots, each preempting a batch sequence."""
         if self.config.policy == "static":
             return 0
-        return preemption.urgent_room(self.running, self.waiting, self.batch_floor)
+        return preemption.urgent_room(self.running, self.waiting, self.batch_floor, self.config.max_num_seqs)
 
     @property
     def batch_deficit(self) -> int:
