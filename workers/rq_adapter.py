@@ -103,15 +103,6 @@ class BaseBatchWorker(BaseWorker):
             raise exc
 
     # ----- taking and starting jobs -----
-    def take(self, queue: Queue, n: int) -> list[str]:
-        """Up to `n` job ids from one queue, each moved (LMOVE) into the queue's intermediate list: a job
-        taken there survives this worker's crash (RQ's maintenance requeues it)."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            for _ in range(n):
-                pipe.lmove(queue.key, queue.intermediate_queue_key)
-            return [job_id.decode() if isinstance(job_id, bytes) else job_id
-                    for job_id in pipe.execute() if job_id is not None]
-
     def wait_for_job(self, queue: Queue, timeout: int) -> Job | None:
         """Block (BLMOVE) on one queue for a job: only one queue can be watched reliably."""
         try:
