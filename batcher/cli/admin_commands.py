@@ -127,9 +127,9 @@ def queues(redis_url, queue, as_json):
     click.echo(_table(shown, ["queue", "class", "tenant", "model", "queued", "started", "failed", "finished",
                               "served"]) if rows else "no queues")
     if rows:
+        tenants = f" ({backlog['batch']['tenants']} tenant(s) with jobs queued)"
         click.echo("by class (most urgent first): " + "; ".join(
-            f"{c} {b['queued']} queued, {b['started']} running" + (f" ({b['tenants']} tenants waiting)"
-                                                                  if c == "batch" else "")
+            f"{c} {b['queued']} queued, {b['started']} running" + (tenants if c == "batch" else "")
             for c, b in backlog.items()))
     waiting = [r for r in rows if not r["served"] and r["queued"]]
     for r in waiting:
