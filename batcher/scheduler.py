@@ -5,9 +5,10 @@ every sequence (computed tokens, new tokens, timestamps, EOS and length stops). 
 two only executes, so all sequence state changes here.
 
 Continuous policy, every step:
-  1. running decodes take one token each, then running prefills take their next prompt chunk;
   0. a waiting sequence of a more urgent class that no slot or KV block would admit preempts the least
      urgent running one (batcher/preemption.py: bounded so that batch work keeps its minimum share);
+  1. running decodes take one token each, then running prefills take their next prompt chunk (those of a
+     less urgent class than a waiting sequence only after the waiting are admitted);
   2. waiting sequences are admitted most urgent first (FIFO among equals) while slots, the token budget and
      KV blocks allow, a long prompt with only the chunk that fits (chunked prefill);
   3. when KV blocks run out, the least urgent (latest-admitted among equals) running sequence is preempted
@@ -207,16 +208,9 @@ class Scheduler:
 
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + prefills:
-            budget = limit - batch.total_tokens
-            if budget <= 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = int(min(seq.num_uncomputed_tokens, budget))
-            if self._reserve(seq, n, batch):
-                batch.num_tokens[seq] = n
-                self._cache_full_blocks(seq, n)
+        most_urgent = min((s.urgency[0] for s in self.waiting), default=None)
+        later = [s for s in prefills if most_urgent is not None and s.urgency[0] > most_urgent]
+        self._schedule_running(decodes + [s for s in prefills if s not in later], batch, limit)
 
         while admit and len(batch.preempted) == preempted_for_urgency and self.waiting:
             budget = limit - batch.total_tokens
@@ -230,7 +224,20 @@ class Scheduler:
             self._admit(seq, shared, new)
             batch.num_tokens[seq] = n
             self._cache_full_blocks(seq, n)
+        self._schedule_running(later, batch, limit)  # less urgent prefills take what budget the waiting left
         return batch
+
+    def _schedule_running(self, seqs: list[Sequence], batch: ScheduledBatch, limit: float) -> None:
+        for seq in seqs:
+            budget = limit - batch.total_tokens
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = int(min(seq.num_uncomputed_tokens, budget))
+            if self._reserve(seq, n, batch):
+                batch.num_tokens[seq] = n
+                self._cache_full_blocks(seq, n)
 
     def _first_chunk(self, seq: Sequence, budget: float) -> tuple[list[int], int, int]:
         """(the cached blocks `seq` starts from, the tokens it computes first, the fresh blocks they need)."""

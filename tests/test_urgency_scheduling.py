@@ -97,3 +97,14 @@ def test_a_sequence_preempted_for_urgency_resumes_to_the_same_greedy_tokens(tiny
     for rid, request in requests.items():
         assert finals[rid].token_ids == reference_tokens(model_dir, request.prompt_token_ids,
                                                          request.sampling.max_tokens), rid
+
+
+def test_an_interactive_request_is_admitted_before_the_prompt_chunks_of_running_batch_work():
+    sched = make(max_num_seqs=4, max_num_batched_tokens=8, min_batch_share=0.0)
+    long_batch = classed("b0", BATCH, prompt_len=40)
+    sched.add(long_batch)
+    simulate_step(sched)  # its first chunk; 32 prompt tokens still to go
+    urgent = classed("i0", INTERACTIVE, prompt_len=5)
+    sched.add(urgent)
+    step = simulate_step(sched)
+    assert step.num_tokens[urgent] == 5 and step.num_tokens[long_batch] == 3, "the batch prefill takes what is left"

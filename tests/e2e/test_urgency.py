@@ -120,7 +120,7 @@ def test_an_interactive_request_never_waits_behind_a_batch_backlog(pool, tiny_mo
     base, _, metrics = pool
     a, b = sdk(base, KEY_A), sdk(base, KEY_B)
     idle = [interactive(b) for _ in range(3)]
-    total = 160
+    total = 120
     batch_id = create_batch(a, total)
     wait_for(lambda: completed(a, batch_id) >= 2 * SLOTS, BATCH_END_S, "the batch to run")
     before = sum(urgency_preemptions(metrics).values())
@@ -139,7 +139,7 @@ def test_an_interactive_request_never_waits_behind_a_batch_backlog(pool, tiny_mo
 def test_a_tenants_small_batch_is_not_stuck_behind_anothers_large_one(pool):
     base, _, _ = pool
     a, b = sdk(base, KEY_A), sdk(base, KEY_B)
-    large = create_batch(a, 150)
+    large = create_batch(a, 100)
     wait_for(lambda: completed(a, large) >= 2 * SLOTS, BATCH_END_S, "the large batch to run")
     at_start = completed(a, large)
     small = create_batch(b, 10)
@@ -154,7 +154,7 @@ def test_a_tenants_small_batch_is_not_stuck_behind_anothers_large_one(pool):
 def test_a_worker_killed_while_holding_preempted_work_loses_nothing(pool, tiny_model_dir):
     base, workers, metrics = pool
     a, b = sdk(base, KEY_A), sdk(base, KEY_B)
-    total = 80
+    total = 48
     batch_id = create_batch(a, total)
     wait_for(lambda: completed(a, batch_id) >= SLOTS, BATCH_END_S, "the batch to run")
     before = urgency_preemptions(metrics)
