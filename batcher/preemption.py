@@ -30,10 +30,11 @@ def count_batch(seqs: Iterable) -> int:
     return sum(1 for s in seqs if s.service_class == BATCH)
 
 
-def next_waiting(waiting, running, floor: int):
-    """The waiting sequence to admit next: a batch one while batch work runs under its floor, else the most
-    urgent (the first of equals: preempted sequences wait at the front, the rest in arrival order)."""
-    if count_batch(running) < floor:
+def next_waiting(waiting, running, floor: int, free_slots: int):
+    """The waiting sequence to admit next: the most urgent (the first of equals: preempted sequences wait at the
+    front, the rest in arrival order); but a batch one while batch work runs under its floor and the more urgent
+    waiting work would take every free slot."""
+    if count_batch(running) < floor and sum(1 for s in waiting if s.urgency[0] < BATCH_RANK) >= free_slots:
         for seq in waiting:
             if seq.service_class == BATCH:
                 return seq

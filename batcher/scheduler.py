@@ -211,12 +211,16 @@ class Scheduler:
         most_urgent = min((s.urgency[0] for s in self.waiting), default=None)
         later = [s for s in prefills if most_urgent is not None and s.urgency[0] > most_urgent]
         self._schedule_running(decodes + [s for s in prefills if s not in later], batch, limit)
+        urgent_admitted = False  # whether this step starts a priority or interactive sequence
 
         while admit and len(batch.preempted) == preempted_for_urgency and self.waiting:
             budget = limit - batch.total_tokens
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = preemption.next_waiting(self.waiting, self.running, self.batch_floor)
+            seq = preemption.next_waiting(self.waiting, self.running, self.batch_floor,
+                                          self.config.max_num_seqs - len(self.running))
+            if urgent_admitted and seq.urgency[0] == preemption.BATCH_RANK:
+                break  # a step that starts more urgent work carries no new prompt of less urgent work: it is short
             shared, n, new = self._first_chunk(seq, budget)
             if not self.allocator.can_allocate(new, shared):
                 break
@@ -224,7 +228,9 @@ class Scheduler:
             self._admit(seq, shared, new)
             batch.num_tokens[seq] = n
             self._cache_full_blocks(seq, n)
-        self._schedule_running(later, batch, limit)  # less urgent prefills take what budget the waiting left
+            urgent_admitted = urgent_admitted or seq.urgency[0] < preemption.BATCH_RANK
+        if not urgent_admitted:
+            self._schedule_running(later, batch, limit)  # less urgent prefills take what budget the waiting left
         return batch
 
     def _schedule_running(self, seqs: list[Sequence], batch: ScheduledBatch, limit: float) -> None:

@@ -99,7 +99,7 @@ def test_a_sequence_preempted_for_urgency_resumes_to_the_same_greedy_tokens(tiny
                                                          request.sampling.max_tokens), rid
 
 
-def test_an_interactive_request_is_admitted_before_the_prompt_chunks_of_running_batch_work():
+def test_an_interactive_request_is_admitted_before_the_prompt_chunks_of_batch_work():
     sched = make(max_num_seqs=4, max_num_batched_tokens=8, min_batch_share=0.0)
     long_batch = classed("b0", BATCH, prompt_len=40)
     sched.add(long_batch)
@@ -107,4 +107,5 @@ def test_an_interactive_request_is_admitted_before_the_prompt_chunks_of_running_
     urgent = classed("i0", INTERACTIVE, prompt_len=5)
     sched.add(urgent)
     step = simulate_step(sched)
-    assert step.num_tokens[urgent] == 5 and step.num_tokens[long_batch] == 3, "the batch prefill takes what is left"
+    assert step.num_tokens == {urgent: 5}, "a step that starts interactive work carries no batch prompt: it is short"
+    assert simulate_step(sched).num_tokens == {urgent: 1, long_batch: 7}
