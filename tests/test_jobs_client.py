@@ -13,13 +13,7 @@ from rq.serializers import JSONSerializer
 from batcher import keys
 from batcher.cli import job_commands, main
 from batcher.client import Client, JobFailed, JobNotFound, QueueFull
-from batcher.jobs import (
-    JOB_FUNCTION,
-    InvalidJob,
-    NeedsBatchWorker,
-    generate,
-    request_from_job,
-)
+from batcher.jobs import JOB_FUNCTION, InvalidJob, NeedsBatchWorker, generate, request_from_job
 from batcher.schema import GenerationRequest, StreamEvent
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
