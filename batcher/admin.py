@@ -12,6 +12,7 @@ from rq.suspension import is_suspended, resume, suspend
 
 from batcher import keys
 from batcher.rq_adapter import Queue, registry_counts, requeue_failed_jobs, rq_queue, shut_down_worker
+from batcher.service_class import CLASSES, INTERACTIVE, parse_queue
 from batcher.worker_stats import WorkerStats
 
 __all__ = ["WorkerStats", "list_workers", "drain", "suspend_all", "resume_all", "queue_overview",
@@ -63,6 +64,8 @@ class QueueRow:
     finished: int
     model: str | None = None
     served: bool = True
+    service_class: str = INTERACTIVE
+    tenant: str | None = None  # a batch queue's tenant (as its queue name spells it)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +73,8 @@ class QueueRow:
 
 def _queues(connection: Redis, queue: str | None) -> list[Queue]:
     if queue is not None:
-        names = keys.priority_queue_names([queue])
+        names = keys.priority_queue_names([queue]) + sorted(_text(n) for n in connection.smembers(
+            keys.class_queues_key(queue)) if keys.unprioritised(_text(n)) == queue)
     else:
         names = sorted(q.name for q in Queue.all(connection=connection))
     return [rq_queue(name, connection) for name in names]
@@ -90,10 +94,29 @@ def queue_overview(connection: Redis, queue: str | None = None) -> list[QueueRow
         base, routed = keys.base_queue(q.name), keys.unprioritised(q.name)
         model = models.get(routed) if routed != base else None
         served = any(base in w.queues.split(",") and (model is None or w.model == model) for w in live)
-        row = QueueRow(q.name, q.count, *registry_counts(q), model, served)
+        parsed = parse_queue(q.name)
+        row = QueueRow(q.name, q.count, *registry_counts(q), model, served, parsed.service_class, parsed.tenant)
         if queue is None or q.name == queue or row.queued or row.started or row.failed or row.finished:
             rows.append(row)  # a base queue's empty priority levels would only be noise
     return rows
+
+
+def class_backlog(rows: list[QueueRow]) -> dict[str, dict[str, int]]:
+    """Per service class: jobs queued and started, and how many tenants have jobs queued."""
+    backlog = {c: {"queued": 0, "started": 0, "tenants": 0} for c in CLASSES}
+    tenants: dict[str, set] = {c: set() for c in CLASSES}
+    for row in rows:
+        backlog[row.service_class]["queued"] += row.queued
+        backlog[row.service_class]["started"] += row.started
+        if row.queued:
+            tenants[row.service_class].add(row.tenant)
+    for c in CLASSES:
+        backlog[c]["tenants"] = len(tenants[c])
+    return backlog
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def requeue_failed(connection: Redis, queue: str | None = None) -> int:

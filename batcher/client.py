@@ -77,7 +77,8 @@ def connect(redis_url: str | None = None) -> Redis:
 
 
 class Client:
-    """Producer and consumer side of the jobs of one queue (`queue`; its priority levels are `queue.pN`)."""
+    """Producer and consumer side of the jobs of one queue (`queue`; its priority levels are `queue.pN`, and its
+    service classes have queues of their own: batcher/service_class.py)."""
 
     def __init__(
         self,

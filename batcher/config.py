@@ -16,6 +16,7 @@ DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash pe
 ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON = "auto", "torch", "triton"
 ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON)
 DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, torch (the reference) on a CPU
+DEFAULT_MIN_BATCH_SHARE = 0.25  # of the slots, kept by batch work under any load of more urgent work
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
 Policy = Literal["continuous", "static"]
@@ -40,6 +41,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the forward of small steps: faster steps, a slower start
     prefix_caching: bool = DEFAULT_PREFIX_CACHING
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    min_batch_share: float = DEFAULT_MIN_BATCH_SHARE
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
@@ -49,6 +51,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if not 0.0 <= self.min_batch_share <= 1.0:
+            raise ValueError(f"min_batch_share is a fraction of the slots, 0 to 1, got {self.min_batch_share}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.dtype not in DTYPES:

@@ -16,6 +16,7 @@ from batcher.errors import BatcherError
 from batcher.jobs import JOB_FUNCTION, job_argument
 from batcher.rq_adapter import Job, Queue, rq_queue
 from batcher.schema import GenerationRequest
+from batcher.service_class import INTERACTIVE, class_of, class_queue, parse_queue
 
 DEFAULT_RESULT_TTL_S = 24 * 3600  # how long a result (and its stream) stays readable
 DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure (its reason, its stream) stays readable
@@ -69,9 +70,10 @@ class Enqueuer:
 
     def prepare(self, request: GenerationRequest, job_id: str | None, queue_ttl: int) -> Prepared:
         """Where one request goes, and the job RQ will store: a request that names a `model` goes to that
-        model's queue, which only workers serving the model poll; one without runs on any worker of the queue."""
+        model's queue, which only workers serving the model poll; one without runs on any worker of the queue.
+        Its service class (and, for batch work, its tenant) picks the queue of that class (`service_class`)."""
         base = self.queue if request.model is None else keys.model_queue(self.queue, request.model)
-        return keys.queue_name(base, request.priority), Queue.prepare_data(
+        return class_queue(base, class_of(request), request.priority, request.tenant), Queue.prepare_data(
             JOB_FUNCTION,
             args=(job_argument(request),),
             description=description(request),
@@ -86,6 +88,9 @@ class Enqueuer:
         models = {keys.model_queue(self.queue, r.model): r.model for r in requests if r.model is not None}
         if models:
             pipe.hset(keys.MODEL_QUEUES, mapping=models)
+        classed = {name for name, _ in prepared if parse_queue(name).service_class != INTERACTIVE}
+        if classed:  # queues of a class or a tenant: workers and `batcher queues` find them here
+            pipe.sadd(keys.class_queues_key(self.queue), *classed)
         return [self.rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
 
     def check_room(self, adding: dict[str, int]) -> None:

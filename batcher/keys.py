@@ -83,13 +83,30 @@ def model_queue(base: str, model: str) -> str:
 
 
 def base_queue(rq_queue: str) -> str:
-    """The base queue a producer named, from any RQ queue derived from it (priority level, model)."""
-    return rq_queue.split(PRIORITY_SEPARATOR)[0].split(MODEL_SEPARATOR)[0]
+    """The base queue a producer named, from any RQ queue derived from it (priority level, model, class)."""
+    return unprioritised(rq_queue).split(MODEL_SEPARATOR)[0]
 
 
 def unprioritised(rq_queue: str) -> str:
-    """An RQ queue's name without its priority suffix (a base queue, or a model queue)."""
-    return rq_queue.split(PRIORITY_SEPARATOR)[0]
+    """An RQ queue's name without its class and priority suffixes (a base queue, or a model queue): base
+    and model queue names have no dot, and every suffix starts with one."""
+    return rq_queue.split(".")[0]
+
+
+# ----- service classes and fairness (batcher/service_class.py, batcher/fairness.py) -----
+CLASS_QUEUES_PREFIX = "batcher:class-queues:"
+FAIRNESS_PREFIX = "batcher:vtc:"
+
+
+def class_queues_key(base: str) -> str:
+    """Set: the RQ queues of a base's priority and batch classes (one batch queue per tenant), so that
+    workers and `batcher queues` find them."""
+    return CLASS_QUEUES_PREFIX + check_queue(base)
+
+
+def fairness_key(base: str, service_class: str) -> str:
+    """Hash: tenant -> tokens served (weighted) in one class of a base queue, and the class's virtual time."""
+    return f"{FAIRNESS_PREFIX}{check_queue(base)}:{service_class}"
 
 
 def stream_key(job_id: str) -> str:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from batcher.openai_logprobs import LogprobsError, chat_logprobs, completion_logprobs, requested
 from batcher.schema import Choice, GenerationRequest, GenerationResult, Usage
+from batcher.service_class import SERVICE_TIERS
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -85,7 +86,7 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         raise BodyError("body must be a JSON object")
     logprob_fields = ("logprobs", "top_logprobs") if url == CHAT_URL else ("logprobs",)
     known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *logprob_fields,
-             "prompt", "messages", "model", "max_completion_tokens"}
+             "prompt", "messages", "model", "max_completion_tokens", "service_tier"}
     unknown = set(body) - known
     if unknown:
         raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
@@ -99,6 +100,11 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     if body.get("model") is not None:
         request["model"] = body["model"]
     request.update({k: body[k] for k in CONSTRAINT_FIELDS if body.get(k) is not None})
+    if body.get("service_tier") is not None:
+        if body["service_tier"] not in SERVICE_TIERS:
+            raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {body['service_tier']!r}",
+                            param="service_tier")
+        request["service_class"] = SERVICE_TIERS[body["service_tier"]]
     if url == CHAT_URL:
         request["messages"] = body.get("messages")
     else:

@@ -34,7 +34,7 @@ from rq.worker import BaseWorker, WorkerStatus
 # The worker's modules take RQ's public names from here too, so that they never import rq themselves.
 __all__ = ["BaseJobWorker", "DeserializationError", "Execution", "InvalidJobOperation", "Job", "JobStatus",
            "NoSuchJobError", "Queue", "WORKERS_SUSPENDED", "WorkerStatus", "get_version", "pin_server_version",
-           "failure_ttl", "rq_queue", "registry_counts", "requeue_failed_jobs", "cancel_taken_on", "held_job_ids", "stop_job",
+           "failure_ttl", "taken_list_key", "rq_queue", "registry_counts", "requeue_failed_jobs", "cancel_taken_on", "held_job_ids", "stop_job",
            "shut_down_worker"]
 
 SERVER_VERSION_ATTR = "__rq_redis_server_version"  # where RQ caches the server version it read with INFO
@@ -109,15 +109,6 @@ class BaseJobWorker(BaseWorker):
             raise exc
 
     # ----- taking and starting jobs -----
-    def take(self, queue: Queue, n: int) -> list[str]:
-        """Up to `n` job ids from one queue, each moved (LMOVE) into the queue's intermediate list: a job
-        taken there survives this worker's crash (RQ's maintenance requeues it)."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            for _ in range(n):
-                pipe.lmove(queue.key, queue.intermediate_queue_key)
-            return [job_id.decode() if isinstance(job_id, bytes) else job_id
-                    for job_id in pipe.execute() if job_id is not None]
-
     def wait_for_job(self, queue: Queue, timeout: int) -> Job | None:
         """Block (BLMOVE) on one queue for a job: only one queue can be watched reliably."""
         try:
@@ -244,6 +235,12 @@ class BaseJobWorker(BaseWorker):
 def failure_ttl(job: Job) -> int:
     """How long a job's failure (and its stream) stays readable: its own setting, else RQ's default."""
     return job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
+
+
+def taken_list_key(queue: Queue) -> str:
+    """Where a job taken from `queue` waits until it is started: RQ's intermediate list, which its reliable dequeue
+    moves jobs into (LMOVE), so that a worker's crash loses none. A fair pick that takes jobs itself moves them there."""
+    return queue.intermediate_queue_key
 
 
 def rq_queue(name: str, connection: Redis) -> Queue:

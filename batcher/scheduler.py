@@ -6,11 +6,14 @@ early (a stop string, a cancel, a failure). The engine between them only execute
 sequence's state (`batcher.sequence`) is made here.
 
 Continuous policy, every step:
-  1. running decodes take one token each, then running prefills take their next prompt chunk;
-  2. waiting sequences are admitted in FIFO order while slots, the token budget and KV blocks allow,
-     a long prompt with only the chunk that fits (chunked prefill);
-  3. when KV blocks run out, the latest-admitted running sequence is preempted by recompute:
-     its blocks are freed and it goes back to the front of the queue.
+  0. a waiting sequence of a more urgent class that no slot or KV block would admit preempts the least
+     urgent running one (batcher/preemption.py: bounded so that batch work keeps its minimum share);
+  1. running decodes take one token each, then running prefills take their next prompt chunk (those of a
+     less urgent class than a waiting sequence only after the waiting are admitted);
+  2. waiting sequences are admitted most urgent first (FIFO among equals) while slots, the token budget and
+     KV blocks allow, a long prompt with only the chunk that fits (chunked prefill);
+  3. when KV blocks run out, the least urgent (latest-admitted among equals) running sequence is preempted
+     by recompute: its blocks are freed and it goes back to the front of the queue.
 The static policy is the baseline: it admits only into an empty batch and prefills whole prompts.
 
 Prefix caching (`batcher.blocks`): an admitted sequence starts from the cached full blocks of its
@@ -29,6 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from batcher import preemption
 from batcher.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
 from batcher.config import EngineConfig
 from batcher.sequence import Sequence, SequenceStatus
@@ -67,6 +71,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_cache_stats = PrefixCacheStats()
+        self.batch_floor = preemption.batch_floor(config.min_batch_share, config.max_num_seqs)
+        self.urgency_preemptions: dict[str, int] = {}  # by the preempted sequence's class
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -78,9 +84,21 @@ class Scheduler:
     def free_slots(self) -> int:
         return max(0, self.config.max_num_seqs - len(self.running) - len(self.waiting))
 
+    @property
+    def urgent_room(self) -> int:
+        """More urgent requests that could be taken beyond the free slots, each preempting a batch sequence."""
+        if self.config.policy == "static":
+            return 0
+        return preemption.urgent_room(self.running, self.waiting, self.batch_floor, self.config.max_num_seqs)
+
+    @property
+    def batch_deficit(self) -> int:
+        """Batch requests to take first: what batch work lacks of its minimum share of the slots."""
+        return preemption.batch_deficit(self.running, self.waiting, self.batch_floor)
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence from the batch or the queue and free its blocks. A sequence that has already finished
-        only takes the new reason (a stop string found in its last token names the reason)."""
+        """Remove a sequence from the running batch or the queue and free its blocks. A sequence that has already
+        finished only takes the new reason (a stop string found in its last token names the reason)."""
         if seq.is_finished:
             seq.finish_reason = reason
             return
@@ -124,36 +142,80 @@ class Scheduler:
         limit = float("inf") if static else self.config.max_num_batched_tokens
         plan = StepPlan()
         admit = not static or not self.running
+        if not static:
+            self._preempt_for_urgency(plan)
+        preempted_for_urgency = len(plan.preempted)
 
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + prefills:
+        most_urgent = min((s.urgency[0] for s in self.waiting), default=None)
+        later = [s for s in prefills if most_urgent is not None and s.urgency[0] > most_urgent]
+        self._schedule_running(decodes + [s for s in prefills if s not in later], plan, limit)
+        urgent_admitted = False  # whether this step starts a priority or interactive sequence
+
+        while admit and len(plan.preempted) == preempted_for_urgency and self.waiting:
+            budget = limit - plan.total_tokens
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = preemption.next_waiting(self.waiting, self.running, self.batch_floor,
+                                          self.config.max_num_seqs - len(self.running))
+            if urgent_admitted and seq.urgency[0] == preemption.BATCH_RANK:
+                break  # a step that starts more urgent work carries no new prompt of less urgent work: it is short
+            shared, n, new = self._first_chunk(seq, budget)
+            if not self.allocator.can_allocate(new, shared):
+                break
+            self.waiting.remove(seq)
+            self._admit(seq, shared, new)
+            plan.num_tokens[seq] = n
+            self._cache_full_blocks(seq, n)
+            urgent_admitted = urgent_admitted or seq.urgency[0] < preemption.BATCH_RANK
+        if not urgent_admitted:
+            self._schedule_running(later, plan, limit)  # less urgent prefills take what budget the waiting left
+        return plan
+
+    def _schedule_running(self, seqs: list[Sequence], plan: StepPlan, limit: float) -> None:
+        for seq in seqs:
             budget = limit - plan.total_tokens
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             n = int(min(seq.num_uncomputed_tokens, budget))
             if self._reserve(seq, n, plan):
                 plan.num_tokens[seq] = n
                 self._cache_full_blocks(seq, n)
 
-        while admit and not plan.preempted and self.waiting:
-            budget = limit - plan.total_tokens
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            seq = self.waiting[0]
-            shared = self._cached_prefix(seq)
-            computed = len(shared) * self.allocator.block_size
-            n = int(min(seq.num_tokens - computed, budget))
-            new = blocks_needed(computed + n, self.allocator.block_size) - len(shared)
-            if not self.allocator.can_allocate(new, shared):
-                break
-            self.waiting.popleft()
-            self._admit(seq, shared, new)
-            plan.num_tokens[seq] = n
-            self._cache_full_blocks(seq, n)
-        return plan
+    def _first_chunk(self, seq: Sequence, budget: float) -> tuple[list[int], int, int]:
+        """(the cached blocks `seq` starts from, the tokens it computes first, the fresh blocks they need)."""
+        shared = self._cached_prefix(seq)
+        computed = len(shared) * self.allocator.block_size
+        n = int(min(seq.num_tokens - computed, budget))
+        return shared, n, blocks_needed(computed + n, self.allocator.block_size) - len(shared)
+
+    def _preempt_for_urgency(self, plan: StepPlan) -> None:
+        """Before anything is scheduled: preempt less urgent running sequences for the more urgent waiting ones
+        that no slot or KV block would admit this step, most urgent first, within `batcher.preemption`'s bounds."""
+        if not self.running or not self.waiting:
+            return
+        slots = self.config.max_num_seqs - len(self.running)
+        growth = {s: self.allocator.extra_blocks(s.block_table, s.num_tokens) for s in self.running
+                  if s.num_uncomputed_tokens == 1}  # the blocks the running decodes take first
+        free_blocks = self.allocator.num_free - sum(growth.values())
+        for seq in sorted(self.waiting, key=lambda s: s.urgency):
+            shared, _, new = self._first_chunk(seq, self.config.max_num_batched_tokens)
+            needed = new + sum(1 for b in shared if self.allocator.ref_count(b) == 0)
+            while slots <= 0 or free_blocks < needed:
+                victim = preemption.victim_for(seq, self.running, self.batch_floor)
+                if victim is None:
+                    return
+                free_blocks += sum(1 for b in victim.block_table if self.allocator.ref_count(b) == 1)
+                free_blocks += growth.get(victim, 0)
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                self.urgency_preemptions[victim.service_class] = self.urgency_preemptions.get(victim.service_class, 0) + 1
+                slots += 1
+            slots -= 1
+            free_blocks -= needed
 
     def _admit(self, seq: Sequence, shared: list[int], new: int) -> None:
         """Start `seq` from the cached blocks `shared` (their tokens computed) plus `new` fresh blocks."""
@@ -191,7 +253,7 @@ class Scheduler:
         """Grow `seq`'s blocks for `n` more tokens, preempting the latest admitted until they fit."""
         target = seq.num_computed_tokens + n
         while not self.allocator.can_allocate(self.allocator.extra_blocks(seq.block_table, target)):
-            victim = self.running[-1]
+            victim = preemption.least_urgent(self.running)
             self._preempt(victim)
             plan.preempted.append(victim)
             plan.num_tokens.pop(victim, None)

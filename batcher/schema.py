@@ -141,6 +141,10 @@ class GenerationRequest(_Strict):
     model: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     chat: bool = False
     batch: BatchItem | None = None
+    service_class: Literal["priority", "interactive", "batch"] | None = Field(
+        None, description="None: batch for a batch line, interactive otherwise (batcher/service_class.py)")
+    tenant: str | None = Field(None, pattern=r"^[A-Za-z0-9_.@-]{1,128}$",
+                               description="whose work this is: a gateway key's tenant, a batch's owner")
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, min_length=1, description="the whole answer matches this regex")
     choice: list[str] | None = Field(None, description="the whole answer is one of these strings")

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from batcher.schema import SamplingParams
+from batcher.service_class import INTERACTIVE, RANK
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +39,9 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    service_class: str = INTERACTIVE  # batcher/service_class.py
+    urgency: tuple[int, int] = (RANK[INTERACTIVE], 0)  # (class rank, priority level), lower first
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

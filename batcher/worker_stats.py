@@ -28,6 +28,7 @@ class WorkerStats:
     last_heartbeat: float  # time.time()
     dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved); unknown from an older worker
     prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over those looked up, since start
+    in_flight_by_class: str = ""  # e.g. "interactive=2,batch=30" (batcher/service_class.py)
 
     @property
     def heartbeat_age_s(self) -> float:

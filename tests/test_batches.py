@@ -18,6 +18,7 @@ from batcher.batches.model import BatchInputError, BatchNotFound
 from batcher.client import Client
 from batcher.job_life import decode_request
 from batcher.schema import GenerationResult, Usage
+from batcher.service_class import BATCH, class_queue
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
 
@@ -55,7 +56,7 @@ def test_a_batch_counts_each_job_once_and_renders_its_files_in_input_order(fake_
     batch = client.create_batch(batch_lines(10, bad=(3, 7)), metadata={"team": "a"})
     assert (batch.status, batch.endpoint, batch.metadata) == ("in_progress", "/v1/completions", {"team": "a"})
     assert batch.request_counts.model_dump() == {"total": 10, "completed": 0, "failed": 2}
-    job_ids = queued_ids(client)
+    job_ids = queued_ids(client, class_queue(keys.DEFAULT_QUEUE, BATCH, 0))  # a batch's lines run in the batch class
     assert job_ids == [keys.batch_job_id(batch.id, i) for i in range(10) if i not in (3, 7)]
     request = decode_request(Job.fetch(job_ids[0], connection=fake_redis, serializer=JSONSerializer))
     assert (request.batch.index, request.batch.custom_id, int(request.deadline.timestamp())) == (0, "c0",
@@ -84,7 +85,7 @@ def test_chat_lines_give_chat_completion_objects_and_models_route_to_their_queue
     batch = client.create_batch([line(0, "/v1/chat/completions", **chat), line(1)])
     assert (batch.endpoint, batch.request_counts.failed, batch.model) == ("/v1/chat/completions", 1, "org/Tiny.v1")
     model_queue = keys.model_queue(keys.DEFAULT_QUEUE, "org/Tiny.v1")
-    assert queued_ids(client, model_queue) == [keys.batch_job_id(batch.id, 0)]
+    assert queued_ids(client, class_queue(model_queue, BATCH, 0)) == [keys.batch_job_id(batch.id, 0)]
     finish(client, keys.batch_job_id(batch.id, 0))
     out = json.loads(next(client.batch_output(batch.id)))
     assert out["response"]["body"]["object"] == "chat.completion"
@@ -100,7 +101,7 @@ def test_cancel_takes_queued_jobs_out_and_keeps_what_finished(fake_redis):
     cancelled = client.cancel_batch(batch.id)
     assert cancelled.status == "cancelled" and cancelled.cancelling_at and cancelled.cancelled_at
     assert cancelled.request_counts.model_dump() == {"total": 6, "completed": 2, "failed": 4}
-    assert queued_ids(client) == [other]
+    assert queued_ids(client) == [other] and queued_ids(client, class_queue(keys.DEFAULT_QUEUE, BATCH, 0)) == []
     assert Job.fetch(keys.batch_job_id(batch.id, 5), connection=fake_redis,
                      serializer=JSONSerializer).get_status() == JobStatus.CANCELED
     finish(client, keys.batch_job_id(batch.id, 2))  # a late end (stopped after the cancel) changes nothing

@@ -11,7 +11,7 @@ from workers.engine import Engine
 from workers.engine_api import EngineProtocol
 
 METHODS = ["add", "step", "abort", "has_work", "stats"]
-PROPERTIES = ["free_slots"]
+PROPERTIES = ["free_slots", "urgent_room", "batch_deficit"]
 
 
 @pytest.mark.parametrize("impl", [Engine, FakeEngine])

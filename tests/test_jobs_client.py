@@ -176,7 +176,7 @@ def test_cli_submit_file_creates_a_batch_whose_bad_lines_are_failed_requests(fak
     batch_id = result.stdout.strip()
     assert "4 requests (2 bad lines), in_progress" in result.stderr
     client = Client(fake_redis, queue="files")
-    assert Queue("files", connection=fake_redis).job_ids == [keys.batch_job_id(batch_id, i) for i in (0, 3)]
+    assert Queue("files.batch", connection=fake_redis).job_ids == [keys.batch_job_id(batch_id, i) for i in (0, 3)]
     job = Job.fetch(keys.batch_job_id(batch_id, 3), connection=fake_redis, serializer=JSONSerializer)
     assert job.args[0]["batch"] == {"id": batch_id, "index": 3, "custom_id": "r4"}
     errors = [json.loads(line) for line in client.batch_output(batch_id, errors=True)]

@@ -1,4 +1,5 @@
-"""Admission: while the engine has free slots, take jobs from the queues (most urgent first) and start them.
+"""Admission: while the engine has room, take jobs from the queues (most urgent class first, fairly between
+tenants: `workers.urgency`) and start them.
 
 Each taken job goes through RQ's reliable dequeue (LMOVE into the queue's intermediate list), is fetched,
 started as its own RQ Execution under a lease (one transaction for all jobs taken together), decoded, checked
@@ -21,6 +22,7 @@ from workers.engine_api import EngineProtocol, RequestError
 from workers.in_flight import InFlight, InFlightJobs
 from workers.leases import claim_on, fenced
 from workers.streams import StreamWriter
+from workers.urgency import ClassAdmission
 
 log = logging.getLogger(__name__)
 
@@ -35,36 +37,37 @@ class Admission:
     def __init__(self, worker: BaseJobWorker, engine: EngineProtocol, jobs: InFlightJobs,
                  streams: StreamWriter) -> None:
         self.worker, self.engine, self.jobs, self.streams = worker, engine, jobs, streams
+        self.classes = ClassAdmission(worker)  # the class and tenant queues, and the fair pick among them
         self.queue_depths: dict[str, int] = {}  # queue lengths, as last read
         self.suspended = False  # `rq suspend` is on, as last read: nothing is admitted
         self.queues_empty = False
         self._next_scan = 0.0  # time.monotonic() of the next scan while busy
 
     def admit(self, block: bool) -> list[InFlight]:
-        """Take as many jobs as the engine has free slots for (waiting up to IDLE_WAIT_S for one if `block`),
-        start them, and return them: each is in the engine, or has already ended."""
-        free = self.engine.free_slots
-        if free <= 0 or (self.engine.has_work() and time.monotonic() < self._next_scan):
+        """Take the most urgent jobs the engine has room for (its free slots, and room it would make by preempting
+        less urgent work: `workers.urgency`), waiting up to IDLE_WAIT_S for one if `block`; start them and return
+        them: each is in the engine, or has already ended."""
+        free, extra = self.engine.free_slots, self.engine.urgent_room
+        if (free <= 0 and extra <= 0) or (self.engine.has_work() and time.monotonic() < self._next_scan):
             return []
         worker = self.worker
         with worker.connection.pipeline(transaction=False) as pipe:
             pipe.exists(WORKERS_SUSPENDED)
-            for queue in worker.queues:
-                pipe.llen(queue.key)
-            suspended, *lengths = pipe.execute()
-        self.queue_depths = {queue.name: n for queue, n in zip(worker.queues, lengths)}
+            self.classes.read_on(pipe)
+            suspended, *registries = pipe.execute()
+        self.classes.update(registries)
         self._next_scan = time.monotonic() + BUSY_RESCAN_S
         self.suspended = bool(suspended)
-        self.queues_empty = self.suspended or not any(lengths)
         if self.suspended:  # `rq suspend`: admit nothing; the jobs in flight go on
+            self.queues_empty = True
             if block:
                 self.jobs.wait(IDLE_WAIT_S)
             return []
+        self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit)
+        self.queues_empty = not any(self.queue_depths.values())
         taken: list[tuple[Job, Queue]] = []
-        for queue, length in zip(worker.queues, lengths):
-            if length and len(taken) < free:
-                ids = worker.take(queue, min(length, free - len(taken)))
-                taken += [(job, queue) for job in self._readable(queue, ids)]
+        for queue, ids in picked:
+            taken += [(job, queue) for job in self._readable(queue, ids)]
         if not taken and block:
             taken += self._wait_for_job(worker.queues[0])
         if not taken:

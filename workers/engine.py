@@ -23,6 +23,7 @@ from batcher.scheduler import Scheduler, StepPlan
 from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from batcher.sequence import Sequence, SequenceStatus
 from workers.choices import Choices
+from batcher.service_class import class_of, urgency_of
 from workers.detokenize import IncrementalDetokenizer
 from workers.engine_api import EngineStats, RequestError, RequestOutput, StepStats
 from workers.logprobs import Logprobs
@@ -82,7 +83,8 @@ class Engine:
                 raise
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for sequence_id, sampling in sequences:
-            seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival)
+            seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival, service_class=class_of(request),
+                           urgency=urgency_of(request), tenant=request.tenant)
             detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
             self._requests[sequence_id] = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
             self.scheduler.add(seq)
@@ -97,6 +99,16 @@ class Engine:
         return self.scheduler.free_slots
 
     @property
+    def urgent_room(self) -> int:
+        """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
+        return self.scheduler.urgent_room
+
+    @property
+    def batch_deficit(self) -> int:
+        """How many batch requests to take before any other: what batch work lacks of its minimum share."""
+        return self.scheduler.batch_deficit
+
+    @property
     def dtype(self) -> str:
         """The dtype the model runs in (never "auto": `build_engine` resolves it)."""
         return self.config.dtype
@@ -107,7 +119,7 @@ class Engine:
         return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            free_slots=scheduler.free_slots, kv_cache_usage=scheduler.allocator.usage,
                            prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
-                           last_step=self.last_step)
+                           last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions))
 
     def warm_up(self) -> None:
         """Run one tiny request to the end, before serving or timing anything."""

@@ -7,7 +7,7 @@ checks that both still match it. Only plain data crosses it: what one step produ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from batcher.blocks import PrefixCacheStats
@@ -86,6 +86,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats  # prompt tokens looked up in the prefix cache, and found there, since the start
     dtype: str  # the dtype the model runs in, e.g. "bfloat16" (never "auto")
     last_step: StepStats | None
+    urgency_preemptions: dict[str, int] = field(default_factory=dict)  # since the start, by the preempted's class
 
 
 class LoadedModelInfo(Protocol):
@@ -112,6 +113,14 @@ class EngineProtocol(Protocol):
     @property
     def free_slots(self) -> int:
         """How many more requests could join without waiting for a slot."""
+
+    @property
+    def urgent_room(self) -> int:
+        """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
+
+    @property
+    def batch_deficit(self) -> int:
+        """How many batch requests to take before any other: what batch work lacks of its minimum share."""
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state."""

@@ -30,12 +30,13 @@ def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig,
     engine = build_engine(engine_config)
     hooks = {}
     if metrics_port is not None:
+        from workers.class_metrics import ClassMetrics, combined_hooks
         from workers.metrics import EngineMetrics
 
         metrics = EngineMetrics(engine)
         server = metrics.start_http_server(metrics_port, metrics_addr)  # after the model loaded: probes rely on it
         announce(f"metrics on http://{metrics_addr}:{server.server_port}/metrics")
-        hooks = metrics.worker_hooks()
+        hooks = combined_hooks(metrics.worker_hooks(), ClassMetrics(engine).worker_hooks())
     JobWorker(keys.priority_queue_names(queues, model=model_name), engine, connection=connection, name=name,
               model_name=model_name, lease_s=lease_s, **hooks).work(burst=burst)
 

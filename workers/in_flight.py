@@ -36,6 +36,7 @@ class JobEnd:
     status: EndStatus
     result: GenerationResult | None = None
     reason: str | None = None
+    request: GenerationRequest | None = None  # what the job carried (None: nothing readable)
 
 
 _END_ORDER = itertools.count()
@@ -71,7 +72,7 @@ class InFlight:
         """Note how the job ended; the first end wins."""
         if self.end is None:
             reason = None if reason is None else bounded_reason(reason)
-            self.end = JobEnd(self.job.id, self.execution.id, self.queue.name, status, result, reason)
+            self.end = JobEnd(self.job.id, self.execution.id, self.queue.name, status, result, reason, self.request)
             self.end_order = next(_END_ORDER)
 
 

@@ -13,6 +13,7 @@ from batcher.rq_adapter import BaseJobWorker
 from workers.in_flight import InFlight
 from workers.leases import fenced, release_on
 from workers.streams import StreamWriter
+from workers.urgency import charge_end_on
 
 
 def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlight]) -> list[InFlight]:
@@ -38,6 +39,7 @@ def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlig
                 end = f.end
                 record_end(pipe, f.job, f.queue, end.status, request=f.request, result=end.result,
                            reason=end.reason, worker=worker, execution=f.execution, stream_event=False)
+                charge_end_on(pipe, f.queue.name, f.request, end.result)  # the tenant's fair-share counter
                 release_on(pipe, f.job.id, f.id, f.queue.name)
                 recorded.append(f)
 

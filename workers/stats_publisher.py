@@ -14,6 +14,8 @@ from redis import Redis
 from batcher import keys
 from batcher.worker_stats import WorkerState, WorkerStats
 from workers.engine_api import EngineProtocol
+from workers.in_flight import InFlightJobs
+from workers.urgency import in_flight_by_class
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ class PublishingWorker(Protocol):
     model_name: str
     lease_s: int
     engine: EngineProtocol
+    jobs: InFlightJobs
     tokens_generated: int
 
     @property
@@ -77,7 +80,8 @@ class StatsPublisher:
             model=worker.model_name, state=state, in_flight=worker.num_in_flight, free_slots=engine.free_slots,
             kv_usage=round(engine.kv_cache_usage, 4), dtype=engine.dtype,
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
-            prefix_cache_hit_rate=round(engine.prefix_cache.hit_rate, 4))
+            prefix_cache_hit_rate=round(engine.prefix_cache.hit_rate, 4),
+            in_flight_by_class=in_flight_by_class(worker.jobs.snapshot()))
 
     def remove(self) -> None:
         worker = self.worker

@@ -235,7 +235,7 @@ class JobWorker(BaseJobWorker):
         log.warning("job %s: lease lost; another worker runs it now", f.job.id)
         self.engine.abort(f.id)
         self.streams.discard(f.id)
-        f.end = JobEnd(f.job.id, f.id, f.queue.name, "lost", reason="lease lost")
+        f.end = JobEnd(f.job.id, f.id, f.queue.name, "lost", reason="lease lost", request=f.request)
         self._forget(f)
 
     def _forget(self, f: InFlight) -> None:

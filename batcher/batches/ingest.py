@@ -19,6 +19,7 @@ from batcher.batches.store import BatchStore
 from batcher.enqueue import Enqueuer, QueueFull
 from batcher.openai_batch import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
 from batcher.schema import BatchItem, GenerationRequest
+from batcher.service_class import BATCH
 
 BATCH_CHUNK = 1000  # batch lines per enqueue pipeline: a big file never sits in memory whole
 QUEUE_TTL_MARGIN_S = 60  # a batch's jobs may wait in their queue until the window ends, and a little more
@@ -54,7 +55,7 @@ def create_batch(enqueuer: Enqueuer, lines: Iterable[str | bytes], *, endpoint: 
             custom_id, request = parse_batch_line(_decoded(line), batch.endpoint)
             request = request.model_copy(update={
                 "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id), "deadline": deadline,
-                "priority": priority})
+                "priority": priority, "service_class": BATCH, "tenant": owner})
             chunk.append((index, custom_id, request, None))
             models.add(request.model)
             valid += 1

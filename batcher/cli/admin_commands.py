@@ -45,10 +45,10 @@ def workers(redis_url, as_json):
         click.echo("no live workers")
         return
     rows = [{**s.to_dict(), "kv_usage": f"{s.kv_usage:.0%}", "prefix_hits": f"{s.prefix_cache_hit_rate:.0%}",
-             "tokens_per_s": f"{s.tokens_per_s:.1f}", "last_heartbeat": f"{s.heartbeat_age_s:.0f}s ago"}
-            for s in stats]
-    click.echo(_table(rows, ["name", "host", "queues", "model", "dtype", "state", "in_flight", "free_slots",
-                             "kv_usage", "prefix_hits", "tokens_per_s", "last_heartbeat"]))
+             "tokens_per_s": f"{s.tokens_per_s:.1f}", "last_heartbeat": f"{s.heartbeat_age_s:.0f}s ago",
+             "by_class": s.in_flight_by_class or "-"} for s in stats]
+    click.echo(_table(rows, ["name", "host", "queues", "model", "dtype", "state", "in_flight", "by_class",
+                             "free_slots", "kv_usage", "prefix_hits", "tokens_per_s", "last_heartbeat"]))
 
 
 @main.command()
@@ -115,14 +115,22 @@ def queues(redis_url, queue, as_json):
     """Queue depths and registries: queued, started, failed, finished; the model a queue routes to, and
     whether a live worker serves it."""
     connection = _connect(redis_url)
-    rows = [r.to_dict() for r in admin.queue_overview(connection, queue and keys.check_queue(queue))]
+    overview = admin.queue_overview(connection, queue and keys.check_queue(queue))
+    rows = [r.to_dict() for r in overview]
+    backlog = admin.class_backlog(overview)
     suspended = bool(admin.is_suspended(connection))
     if as_json:
-        click.echo(json.dumps({"suspended": suspended, "queues": rows}, indent=1))
+        click.echo(json.dumps({"suspended": suspended, "queues": rows, "classes": backlog}, indent=1))
         return
-    shown = [{**r, "model": r["model"] or "(any)", "served": "yes" if r["served"] else "NO"} for r in rows]
-    click.echo(_table(shown, ["queue", "model", "queued", "started", "failed", "finished", "served"])
-               if rows else "no queues")
+    shown = [{**r, "model": r["model"] or "(any)", "served": "yes" if r["served"] else "NO",
+              "class": r["service_class"], "tenant": r["tenant"] or "-"} for r in rows]
+    click.echo(_table(shown, ["queue", "class", "tenant", "model", "queued", "started", "failed", "finished",
+                              "served"]) if rows else "no queues")
+    if rows:
+        tenants = f" ({backlog['batch']['tenants']} tenant(s) with jobs queued)"
+        click.echo("by class (most urgent first): " + "; ".join(
+            f"{c} {b['queued']} queued, {b['started']} running" + (tenants if c == "batch" else "")
+            for c, b in backlog.items()))
     waiting = [r for r in rows if not r["served"] and r["queued"]]
     for r in waiting:
         click.echo(f"unserved: {r['queued']} job(s) in {r['queue']} wait for a worker serving "

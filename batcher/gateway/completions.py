@@ -38,6 +38,7 @@ from batcher.openai_batch import (CHAT_ID_PREFIX, CHAT_URL, COMPLETION_ID_PREFIX
                                   openai_finish_reason, parse_body, response_body, usage_body)
 from batcher.openai_logprobs import chat_logprobs, completion_logprobs
 from batcher.schema import GenerationRequest, TokenLogprob, Usage
+from batcher.service_class import TIER_OF_CLASS, class_of
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,15 @@ async def _complete(request: Request, url: str):
         generation = parse_body(body, url, extra_fields=("stream_options",))
     except BodyError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
+    if request.state.tenant is not None:  # fair share between tenants (batcher/fairness.py)
+        generation = generation.model_copy(update={"tenant": request.state.tenant})
+    tier = TIER_OF_CLASS[class_of(generation)]  # echoed, as OpenAI does
     model, job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
     created = int(time.time())
     if stream:
-        chunks = Chunks(url, job_id, created, model, include_usage, generation.sampling.n)
+        chunks = Chunks(url, job_id, created, model, include_usage, tier, generation.sampling.n)
         return EventStreamResponse(_relay(request, job_id, chunks))
-    return await _answer(request, job_id, url, created)
+    return await _answer(request, job_id, url, created, tier)
 
 
 def _include_usage(options, stream: bool) -> bool:
@@ -139,7 +143,7 @@ async def _wait_for_end(request: Request, job_id: str):
     return end
 
 
-async def _answer(request: Request, job_id: str, url: str, created: int) -> JSONResponse:
+async def _answer(request: Request, job_id: str, url: str, created: int, tier: str) -> JSONResponse:
     app = request.app
     end = await _wait_for_end(request, job_id)
     if end is None:  # the client left; nobody reads this
@@ -152,18 +156,19 @@ async def _answer(request: Request, job_id: str, url: str, created: int) -> JSON
         if exc.status == "failed":
             raise ApiError(400, exc.reason, code="generation_failed") from None
         raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
-    return JSONResponse(response_body(result, url, request_id=job_id, created=created))
+    return JSONResponse({**response_body(result, url, request_id=job_id, created=created), "service_tier": tier})
 
 
 # ----- streaming -----
 class Chunks:
     """Server-sent events in OpenAI's chunk format (chat.completion.chunk, or text_completion)."""
 
-    def __init__(self, url: str, job_id: str, created: int, model: str, include_usage: bool, n: int = 1) -> None:
+    def __init__(self, url: str, job_id: str, created: int, model: str, include_usage: bool, tier: str,
+                 n: int = 1) -> None:
         self.chat = url == CHAT_URL
         self.head = {"id": f"{CHAT_ID_PREFIX if self.chat else COMPLETION_ID_PREFIX}{job_id}",
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
-                     "created": created, "model": model}
+                     "created": created, "model": model, "service_tier": tier}
         self.include_usage = include_usage
         self.n = n
         self._text_offset = [0] * n  # of each choice's next token, for completions' logprobs

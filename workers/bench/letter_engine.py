@@ -52,6 +52,14 @@ class LetterEngine:
     def free_slots(self) -> int:
         return max(0, self.max_num_seqs - len(self.requests))
 
+    @property
+    def urgent_room(self) -> int:
+        return 0  # no preemption: it takes only what its slots hold
+
+    @property
+    def batch_deficit(self) -> int:
+        return 0
+
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.requests), num_waiting=0, free_slots=self.free_slots,
                            kv_cache_usage=len(self.requests) / self.max_num_seqs,

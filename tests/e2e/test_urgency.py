@@ -1,0 +1,174 @@
+"""End to end: service classes and fairness with two real `batcher worker` processes (tiny model, 4 slots each,
+sharing one Redis and its fairness counters), a real `batcher serve` with two API keys (two tenants), and the
+official `openai` SDK. Sizes are scaled down from the issue's targets; `workers/bench/urgency.py` measures them.
+
+The crash test SIGKILLs one worker and comes last."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.test_workers import start_worker, stop, wait_ready
+from tests.engine_helpers import random_prompts, reference_tokens
+from tests.jobs_support import wait_for
+from tests.reliability.support import free_port
+
+pytestmark = pytest.mark.timeout(600)
+QUEUE = "urg"
+MODEL = "tiny-urg"
+KEY_A, KEY_B = "sk-urgency-a", "sk-urgency-b"
+SLOTS = 4
+TOKENS = 24  # per batch line: each line runs for many steps
+PROMPTS = random_prompts(4, seed=19, min_len=6, max_len=14)
+BATCH_END_S = 300
+LOADED_MARGIN_S = 5.0  # an interactive request behind a batch, against idle: generous (a shared 2-core machine)
+
+
+@pytest.fixture(scope="module")
+def pool(e2e_redis, tiny_model_dir, tmp_path_factory):
+    """Two workers and a gateway: (base url, worker processes by name, metrics url by name)."""
+    url, connection = e2e_redis
+    logs = tmp_path_factory.mktemp("urg")
+    port = free_port()
+    env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
+    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+                               "--queue", QUEUE], env=env, stdout=subprocess.DEVNULL,
+                              stderr=(logs / "gateway.log").open("w"))
+    workers, metrics = {}, {}
+    try:
+        for i in range(2):
+            metrics_port = free_port()
+            name, process = start_worker(url, tiny_model_dir("llama"), QUEUE, logs / f"worker{i}.log", SLOTS,
+                                         "--served-model-name", MODEL, "--metrics-port", str(metrics_port))
+            workers[name], metrics[name] = process, f"http://127.0.0.1:{metrics_port}/metrics"
+        for name, process in workers.items():
+            wait_ready(connection, name, process)
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _models(base), 60, "the gateway to list the workers' model")
+        yield base, workers, metrics
+    finally:
+        stop(server)
+        for process in workers.values():
+            stop(process)
+
+
+def _models(base: str) -> bool:
+    try:
+        return MODEL in [m.id for m in sdk(base, KEY_A).models.list()]
+    except Exception:  # noqa: BLE001  (not up yet)
+        return False
+
+
+def sdk(base: str, key: str) -> OpenAI:
+    return OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+
+
+def create_batch(client: OpenAI, lines: int) -> str:
+    rows = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": TOKENS,
+                                 "ignore_eos": True}}) for i in range(lines)]
+    uploaded = client.files.create(file=("lines.jsonl", "\n".join(rows).encode()), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h").id
+
+
+def completed(client: OpenAI, batch_id: str) -> int:
+    return client.batches.retrieve(batch_id).request_counts.completed
+
+
+def wait_done(client: OpenAI, batch_id: str):
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in ("completed", "failed") and b,
+                    BATCH_END_S, f"batch {batch_id} to end")
+
+
+def interactive(client: OpenAI) -> float:
+    """Seconds for a short interactive completion; its tier is echoed."""
+    started = time.monotonic()
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, extra_body={"ignore_eos": True})
+    assert answer.service_tier == "default" and answer.usage.completion_tokens == 4
+    return time.monotonic() - started
+
+
+def urgency_preemptions(metrics: dict[str, str]) -> dict[str, float]:
+    counts = {}
+    for name, url in metrics.items():
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        counts[name] = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                           if s.name == "batcher_urgency_preemptions_total" and s.labels["service_class"] == "batch")
+    return counts
+
+
+def check_outputs(client: OpenAI, batch, model_dir) -> None:
+    """Every line's greedy fp32 tokens equal `model.generate` alone, preempted for urgency or not."""
+    references = [reference_tokens(model_dir, p, TOKENS) for p in PROMPTS]
+    for line in client.files.content(batch.output_file_id).text.splitlines():
+        row = json.loads(line)
+        index = int(row["custom_id"][1:])
+        assert row["response"]["body"]["choices"][0]["token_ids"] == references[index % len(PROMPTS)], index
+
+
+def test_an_interactive_request_never_waits_behind_a_batch_backlog(pool, tiny_model_dir):
+    base, _, metrics = pool
+    a, b = sdk(base, KEY_A), sdk(base, KEY_B)
+    idle = [interactive(b) for _ in range(3)]
+    total = 120
+    batch_id = create_batch(a, total)
+    wait_for(lambda: completed(a, batch_id) >= 2 * SLOTS, BATCH_END_S, "the batch to run")
+    before = sum(urgency_preemptions(metrics).values())
+    loaded, left = [], []
+    for _ in range(3):
+        loaded.append(interactive(b))
+        left.append(total - completed(a, batch_id))
+    assert min(left) > total // 4, f"the interactive requests ran only once the batch was nearly done: {left}"
+    assert max(loaded) < max(idle) + LOADED_MARGIN_S, (idle, loaded)
+    assert sum(urgency_preemptions(metrics).values()) > before, "no slot was free: batch work gave way"
+    done = wait_done(a, batch_id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", total, 0)
+    check_outputs(a, done, tiny_model_dir("llama"))
+
+
+def test_a_tenants_small_batch_is_not_stuck_behind_anothers_large_one(pool):
+    base, _, _ = pool
+    a, b = sdk(base, KEY_A), sdk(base, KEY_B)
+    large = create_batch(a, 100)
+    wait_for(lambda: completed(a, large) >= 2 * SLOTS, BATCH_END_S, "the large batch to run")
+    at_start = completed(a, large)
+    small = create_batch(b, 10)
+    wait_done(b, small)
+    ran = completed(a, large) - at_start
+    # Scaled from the issue's 80 of A's lines at 32 slots: the lines in flight, then about one of A's per line of B's.
+    assert ran <= 2 * 2 * SLOTS + 10 + 8, f"A completed {ran} lines while B's 10 ran"
+    assert a.batches.retrieve(large).status == "in_progress"
+    wait_done(a, large)
+
+
+def test_a_worker_killed_while_holding_preempted_work_loses_nothing(pool, tiny_model_dir):
+    base, workers, metrics = pool
+    a, b = sdk(base, KEY_A), sdk(base, KEY_B)
+    total = 48
+    batch_id = create_batch(a, total)
+    wait_for(lambda: completed(a, batch_id) >= SLOTS, BATCH_END_S, "the batch to run")
+    before = urgency_preemptions(metrics)
+    answers: list[float] = []
+    threads = [threading.Thread(target=lambda: answers.append(interactive(b))) for _ in range(2 * SLOTS)]
+    for thread in threads:
+        thread.start()
+    victim = wait_for(lambda: next((n for n, c in urgency_preemptions(metrics).items() if c > before[n]), None),
+                      60, "a worker to preempt batch work")
+    workers[victim].kill()  # it holds sequences preempted for urgency (waiting in its engine) and running ones
+    workers[victim].wait()
+    for thread in threads:
+        thread.join(timeout=BATCH_END_S)
+    assert len(answers) == 2 * SLOTS, "every interactive request was answered (the survivor reran the lost ones)"
+    done = wait_done(a, batch_id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", total, 0)
+    check_outputs(a, done, tiny_model_dir("llama"))
