@@ -47,7 +47,8 @@ from batcher.client import Client
 from batcher.config import DTYPES
 from batcher.openai_batch import CHAT_ID_PREFIX
 from batcher.schema import ChatMessage, GenerationRequest, SamplingParams
-from workers.bench.batches import _batch_lines, _free_port
+from workers.bench.batches import _batch_lines
+from workers.bench.private_redis import free_port
 from workers.bench.record import PeakRss
 from workers.bench.report import _cpu_name
 
@@ -57,7 +58,7 @@ PROMPT = "Write a short story about a queue of requests waiting for a GPU."
 
 
 def _start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                                "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
     connection = Redis(port=port)
@@ -66,7 +67,7 @@ def _start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": ""}
     server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", redis_url,
                                "--queue", QUEUE, "--max-queue-length", "1000000"],
@@ -287,16 +288,22 @@ def run(lines: int, requests: int, max_tokens: int, model: str, dtype: str, thre
                                    **bench_streaming(base, redis_url, model, requests, max_tokens)}
         return report
     finally:
-        for process in reversed(processes):
+        stop_all(processes, directory, keep_logs)
+
+
+def stop_all(processes: list[subprocess.Popen], directory: Path, keep_logs: bool) -> None:
+    """Stop the bench's processes, newest first, and remove their folder unless its logs are kept."""
+    for process in reversed(processes):
+        if process.poll() is None:
             process.terminate()
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
-        if keep_logs:
-            click.echo(f"logs in {directory}", err=True)
-        else:
-            shutil.rmtree(directory, ignore_errors=True)
+    if keep_logs:
+        click.echo(f"logs in {directory}", err=True)
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @click.command()

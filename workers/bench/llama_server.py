@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -24,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from batcher.config import EngineConfig
+from workers.bench.private_redis import free_port
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.workload import WorkloadRequest
 from workers.engine import WARMUP_REQUEST
@@ -98,12 +98,6 @@ def gguf_checkpoint(model_dir: Path, dtype: str) -> Path:
     return target
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port: int, body: dict, on_tokens) -> None:
     """POST a streamed /completion; `on_tokens(ids)` for each chunk of tokens as it arrives."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
@@ -150,7 +144,7 @@ def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir
     binary, gguf = server_binary(), gguf_checkpoint(model_dir, config.dtype)
     longest = max(w.prompt_len + w.max_tokens for w in workload)
     per_slot = -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
-    port = _free_port()
+    port = free_port()
     log = open(_root() / "llama-server.log", "w")  # noqa: SIM115 (closed with the server)
     server = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                                "--parallel", str(config.max_num_seqs), "--threads", str(threads),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,8 +32,8 @@ import click
 from redis import Redis
 
 from batcher.config import DTYPES
-from workers.bench.batches import _free_port
-from workers.bench.gateway import _start_redis, _wait
+from workers.bench.gateway import _start_redis, _wait, stop_all
+from workers.bench.private_redis import free_port
 from workers.bench.report import _cpu_name
 
 QUEUE = "bench"
@@ -61,7 +60,7 @@ def _worker(redis_url: str, model: str, dtype: str, threads: int, log: Path, src
 
 
 def _gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
     server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", redis_url,
                                "--queue", QUEUE, "--max-queue-length", "1000000"], env=env,
@@ -182,17 +181,7 @@ def run(lines, tokens, small, requests, throughput_lines, baseline_src, model, d
             report["throughput_alone"] = {"lines": throughput_lines, **{k: round(v, 3) for k, v in alone.items()}}
         return report
     finally:
-        for process in reversed(processes):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-        if keep_logs:
-            click.echo(f"logs in {directory}", err=True)
-        else:
-            shutil.rmtree(directory, ignore_errors=True)
+        stop_all(processes, directory, keep_logs)
 
 
 @click.command()
