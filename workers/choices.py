@@ -65,6 +65,8 @@ class Choices:
 
     def merge(self, outputs: list[RequestOutput], abort: Callable[[str], RequestOutput | None]) -> list[RequestOutput]:
         """The requests' outputs from their choices' outputs (`abort` ends a sequence: a failed choice's siblings)."""
+        if not self._choice_of:  # no request with n > 1 in the engine: every output is its request's own
+            return outputs
         merged, aborted = [], set()
         for out in outputs:
             if out.request_id in aborted:  # a sibling of a failed choice, which produced before it was aborted

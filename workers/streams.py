@@ -105,8 +105,8 @@ class _Attempt:
     written_to: str = ""  # the id of the last event known written: the stream must still hold it
     ttl: str = KEEP_TTL
     start_ttl: str = KEEP_TTL  # the TTL the stream started with, for a stream that a failover lost whole
-    # Everything generated so far, by choice, for a start over after a gap.
-    text: dict[int, str] = field(default_factory=dict)
+    # Everything generated so far, by choice, for a start over after a gap (text as its deltas: joined only then).
+    text: dict[int, list[str]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, event: StreamEvent) -> None:
@@ -148,7 +148,7 @@ class StreamWriter:
         """New tokens of one choice (and their logprobs, when asked); merged into the execution's last buffered
         token event when that one was never sent and is of the same choice."""
         attempt = self._attempts[execution_id]
-        attempt.text[choice] = attempt.text.get(choice, "") + text
+        attempt.text.setdefault(choice, []).append(text)
         attempt.token_ids.setdefault(choice, []).extend(token_ids)
         if (len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token"
                 and attempt.events[-1][1].choice == choice):
@@ -237,7 +237,7 @@ class StreamWriter:
         attempt.add(StreamEvent(type="restart", execution_id=execution_id))
         attempt.add(StreamEvent(type="start", execution_id=execution_id))
         for choice, token_ids in sorted(attempt.token_ids.items()):
-            attempt.add(StreamEvent(type="token", execution_id=execution_id, text=attempt.text[choice],
+            attempt.add(StreamEvent(type="token", execution_id=execution_id, text="".join(attempt.text[choice]),
                                                     token_ids=list(token_ids), index=0, choice=choice))
         for event in ends:
             attempt.add(event)

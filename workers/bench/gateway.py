@@ -48,22 +48,13 @@ from batcher.config import DTYPES
 from batcher.openai_batch import CHAT_ID_PREFIX
 from batcher.schema import ChatMessage, GenerationRequest, SamplingParams
 from workers.bench.batches import _batch_lines
-from workers.bench.private_redis import free_port
+from workers.bench.private_redis import free_port, start_redis_server
 from workers.bench.record import PeakRss
 from workers.bench.report import _cpu_name
 
 QUEUE = "bench"
 READY_S = 300  # a worker loads torch and the model on a busy machine
 PROMPT = "Write a short story about a queue of requests waiting for a GPU."
-
-
-def _start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                               "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
-    connection = Redis(port=port)
-    _wait(lambda: connection.ping(), 10, "redis-server")
-    return server, f"redis://127.0.0.1:{port}/0"
 
 
 def _start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
@@ -274,7 +265,7 @@ def run(lines: int, requests: int, max_tokens: int, model: str, dtype: str, thre
     directory = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     processes = []
     try:
-        redis_server, redis_url = _start_redis(directory)
+        redis_server, redis_url = start_redis_server(directory)
         processes.append(redis_server)
         gateway, base = _start_gateway(redis_url, directory / "gateway.log")
         processes.append(gateway)

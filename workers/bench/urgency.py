@@ -32,8 +32,8 @@ import click
 from redis import Redis
 
 from batcher.config import DTYPES
-from workers.bench.gateway import _start_redis, _wait, stop_all
-from workers.bench.private_redis import free_port
+from workers.bench.gateway import _wait, stop_all
+from workers.bench.private_redis import free_port, start_redis_server
 from workers.bench.report import _cpu_name
 
 QUEUE = "bench"
@@ -159,7 +159,7 @@ def run(lines, tokens, small, requests, throughput_lines, baseline_src, model, d
     directory = Path(tempfile.mkdtemp(prefix="bench-urgency-"))
     processes: list[subprocess.Popen] = []
     try:
-        redis_server, redis_url = _start_redis(directory)
+        redis_server, redis_url = start_redis_server(directory)
         processes.append(redis_server)
         report = {"cpu": _cpu_name(), "worker_threads": threads, "model": model, "dtype": dtype, "slots": 32,
                   "tokens_per_line": tokens}
