@@ -13,6 +13,7 @@ from redis import Redis
 
 from batcher import durability, keys
 from batcher.errors import BatcherError
+from batcher.fairness import note_on
 from batcher.jobs import JOB_FUNCTION, job_argument
 from batcher.rq_adapter import Job, Queue, rq_queue
 from batcher.schema import GenerationRequest
@@ -91,7 +92,10 @@ class Enqueuer:
         classed = {name for name, _ in prepared if parse_queue(name).service_class != INTERACTIVE}
         if classed:  # queues of a class or a tenant: workers and `batcher queues` find them here
             pipe.sadd(keys.class_queues_key(self.queue), *classed)
-        return [self.rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
+        jobs = [self.rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
+        for request, (name, _), job in zip(requests, prepared, jobs):
+            note_on(pipe, self.queue, name, request, job.id, max(self.queue_ttl, job.ttl or 0))
+        return jobs
 
     def check_room(self, adding: dict[str, int]) -> None:
         """Backpressure (a soft limit: producers racing each other may pass it by a few jobs)."""

@@ -1,95 +1,154 @@
 """Fair share between tenants: the Virtual Token Counter (VTC, Sheng et al., OSDI 2024), kept in Redis.
 
 Each tenant has a counter of the tokens it was served in a class of a base queue (`keys.fairness_key`):
-prompt tokens count W_PROMPT each and generated tokens W_GENERATED each, as in the paper. The next batch
-line comes from the tenant with the least counter among those with waiting work, so a tenant's small batch is
-not stuck behind another's large one, and over any window each backlogged tenant gets its share of the
-tokens, give or take one request.
+prompt tokens count W_PROMPT each and generated tokens W_GENERATED each, as in the paper. The next job of a
+class comes from the tenant with the least counter among those with waiting work, so a tenant's small batch is
+not stuck behind another's large one, a tenant's burst of chat requests does not hold back another's, and over
+any window each backlogged tenant gets its share of the tokens, give or take one request.
+
+Where the tenants' jobs wait:
+- batch work has a queue per tenant: the pick compares the counters of the tenants whose queues hold work;
+- priority and interactive work of a level share one queue (so a plain-RQ producer, and a worker's blocking
+  wait, see one list): the enqueue notes each job's tenant (`keys.job_tenants_key`), and the pick takes, among
+  the first FAIR_WINDOW jobs of the queue, the oldest job of the least served tenant. A tenant whose jobs all
+  wait beyond the window is seen once the jobs ahead of it are taken.
 
 The pick is one Lua script (`PICK_LUA`), so it holds across any number of workers: it takes the jobs a
-worker has room for, most urgent class first, and charges each batch job it takes PICK_CHARGE tokens at once
+worker has room for, most urgent class first, and charges each job it takes PICK_CHARGE tokens at once
 (workers picking at the same time then see each other's picks). When the job ends, `charge_on` adds its real
 cost less that advance, in the transaction that records the job's end. A tenant that comes back from idle is
 lifted to the class's virtual time (the counter of the last tenant picked, the least among the backlogged
 ones), so idle time banks no credit. A requeued job (its worker died) is charged its advance again: a small
 over-charge, never lost work.
+
+A batch line whose batch's window closes within DEADLINE_BOOST_S is *due*: the enqueue notes it in its queue's
+due set (`keys.due_key`), and the pick takes due lines before any other batch work, earliest deadline first, and
+as urgent work (beyond the free slots, as interactive work is): the engine runs them at interactive urgency.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import timezone
 
 from batcher import keys
-from batcher.service_class import BATCH, parse_queue, tenant_token
+from batcher.service_class import BATCH, DEADLINE_BOOST_S, NO_TENANT, parse_queue, tenant_token
 
 W_PROMPT = 1.0  # the paper's weights: a generated token costs about twice a prompt token
 W_GENERATED = 2.0
-PICK_CHARGE = 256.0  # tokens charged when a batch job is taken; its end corrects it to the real cost
+PICK_CHARGE = 256.0  # tokens charged when a job is taken; its end corrects it to the real cost
+FAIR_WINDOW = 64  # how far into a shared queue the pick looks for the least served tenant's oldest job
 VIRTUAL_TIME_FIELD = "~v"  # no tenant token has a "~"
 
-# KEYS: per candidate queue (in urgency order: non-batch groups first, then batch groups): its list, its
-# intermediate list, its class's fairness hash.  ARGV: n, free, extra, batch_first, charge, then per queue:
-# group, is_batch (1/0), tenant token.
-# Takes up to free + extra jobs: `extra` only for non-batch classes (they preempt batch work in the engine),
-# the first `batch_first` from the batch class while it has any (its minimum share). Returns the queues'
-# lengths before, then (queue position, job id) pairs.
+# KEYS, per candidate queue (in urgency order: non-batch groups first, then batch groups): its list, its
+# intermediate list, its class's fairness hash, the base's job-tenants hash (read for a shared queue), its due
+# set (read for a batch queue).  ARGV: n, free, extra, batch_first, charge, window, due_before (a unix time),
+# then per queue: group, is_batch (1/0), tenant token (a batch queue's; unused for a shared queue).
+# Takes up to free + extra jobs: `extra` only for urgent work (non-batch classes and due batch lines: they
+# preempt batch work in the engine), the first `batch_first` from the batch class while it has any (its minimum
+# share). Returns the queues' lengths before, then (queue position, job id, tenant charged) triples.
 PICK_LUA = """
-local n, free, extra, batch_first, charge = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
-  tonumber(ARGV[4]), tonumber(ARGV[5])
+local n, free, extra, batch_first, charge, window, due_before = tonumber(ARGV[1]), tonumber(ARGV[2]),
+  tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 local group, is_batch, tenant, len = {}, {}, {}, {}
+local function key(i, k) return KEYS[5 * (i - 1) + k] end
 for i = 1, n do
-  group[i] = tonumber(ARGV[3 + 3 * i])
-  is_batch[i] = ARGV[4 + 3 * i] == '1'
-  tenant[i] = ARGV[5 + 3 * i]
-  len[i] = redis.call('LLEN', KEYS[3 * i - 2])
+  group[i] = tonumber(ARGV[5 + 3 * i])
+  is_batch[i] = ARGV[6 + 3 * i] == '1'
+  tenant[i] = ARGV[7 + 3 * i]
+  len[i] = redis.call('LLEN', key(i, 1))
 end
 local result = {}
 for i = 1, n do result[i] = len[i] end
+-- a tenant's counter, lifted to its class's virtual time (idle time banks no credit)
+local function counter(h, t)
+  local vt = tonumber(redis.call('HGET', h, '~v') or '0')
+  local c = tonumber(redis.call('HGET', h, t) or '0')
+  if c < vt then
+    redis.call('HSET', h, t, vt)
+    c = vt
+  end
+  return c
+end
+-- the oldest job of the least served tenant among the first `window` jobs of shared queue i
+local function shared_pick(i)
+  local ids = redis.call('LRANGE', key(i, 1), 0, window - 1)
+  local owners = redis.call('HMGET', key(i, 4), unpack(ids))
+  local best, best_c, best_t, seen = nil, nil, nil, {}
+  for p = 1, #ids do
+    local t = owners[p] or '""" + NO_TENANT + """'
+    if not seen[t] then
+      seen[t] = true
+      local c = counter(key(i, 3), t)
+      if best == nil or c < best_c then best, best_c, best_t = p, c, t end
+    end
+  end
+  return i, ids[best], best_t, best_c
+end
+-- the due batch line with the earliest deadline (a stale entry, its job no longer queued, is dropped)
+local function due_pick()
+  while true do
+    local pick, id, at = nil, nil, nil
+    for i = 1, n do
+      if is_batch[i] and len[i] > 0 then
+        local due = redis.call('ZRANGE', key(i, 5), '-inf', due_before, 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+        if due[1] and (at == nil or tonumber(due[2]) < at) then pick, id, at = i, due[1], tonumber(due[2]) end
+      end
+    end
+    if pick == nil then return nil end
+    if redis.call('LPOS', key(pick, 1), id) then return pick, id, tenant[pick], nil end
+    redis.call('ZREM', key(pick, 5), id)
+  end
+end
+-- the next line of the least served batch tenant, in the most urgent batch group with work
 local function least_served()
-  local g, best, best_c, vt = nil, nil, nil, nil
+  local g, best, best_c = nil, nil, nil
   for i = 1, n do
     if is_batch[i] and len[i] > 0 and (g == nil or group[i] == g) then
       g = group[i]
-      local h = KEYS[3 * i]
-      vt = tonumber(redis.call('HGET', h, '~v') or '0')
-      local c = tonumber(redis.call('HGET', h, tenant[i]) or '0')
-      if c < vt then
-        c = vt
-        redis.call('HSET', h, tenant[i], vt)
-      end
+      local c = counter(key(i, 3), tenant[i])
       if best == nil or c < best_c then best, best_c = i, c end
     end
   end
-  return best, best_c
+  if best == nil then return nil end
+  return best, redis.call('LINDEX', key(best, 1), 0), tenant[best], best_c
 end
 while free + extra > 0 do
-  local pick, counter = nil, nil
-  if batch_first > 0 and free > 0 then pick, counter = least_served() end
+  local pick, id, t, c = nil, nil, nil, nil
+  if batch_first > 0 and free > 0 then
+    pick, id, t, c = due_pick()
+    if pick == nil then pick, id, t, c = least_served() end
+  end
   if pick == nil then
     for i = 1, n do
       if len[i] > 0 then
         if is_batch[i] then
-          if free > 0 then pick, counter = least_served() end
+          pick, id, t, c = due_pick()
+          if pick == nil and free > 0 then pick, id, t, c = least_served() end
         else
-          pick = i
+          pick, id, t, c = shared_pick(i)
         end
         break
       end
     end
   end
   if pick == nil then break end
-  local id = redis.call('LMOVE', KEYS[3 * pick - 2], KEYS[3 * pick - 1], 'LEFT', 'RIGHT')
+  redis.call('LREM', key(pick, 1), 1, id)
+  redis.call('RPUSH', key(pick, 2), id)
   len[pick] = len[pick] - 1
-  if id then
-    table.insert(result, pick)
-    table.insert(result, id)
-    if is_batch[pick] then
-      redis.call('HSET', KEYS[3 * pick], '~v', counter)
-      redis.call('HINCRBYFLOAT', KEYS[3 * pick], tenant[pick], charge)
-      batch_first = batch_first - 1
-    end
-    if free > 0 then free = free - 1 else extra = extra - 1 end
+  table.insert(result, pick)
+  table.insert(result, id)
+  table.insert(result, t)
+  if c ~= nil then redis.call('HSET', key(pick, 3), '~v', c) end  -- a due line's pick moves no virtual time
+  redis.call('HINCRBYFLOAT', key(pick, 3), t, charge)
+  if is_batch[pick] then
+    redis.call('ZREM', key(pick, 5), id)
+    if batch_first > 0 then batch_first = batch_first - 1 end
+  else
+    redis.call('HDEL', key(pick, 4), id)
   end
+  if free > 0 then free = free - 1 else extra = extra - 1 end
 end
 return result
 """
@@ -98,14 +157,16 @@ return result
 @dataclass(frozen=True)
 class Candidate:
     """A queue the pick may take from. `group` orders the candidates (lower first); batch queues of one group
-    are chosen between by their tenants' counters."""
+    are chosen between by their tenants' counters, the jobs of a shared queue by their tenants' counters."""
 
     queue_key: str
     intermediate_key: str
     fairness_key: str
+    tenants_key: str  # the base's job-tenants hash (keys.job_tenants_key)
+    due_key: str  # the queue's due set (keys.due_key)
     group: int
     batch: bool
-    tenant: str
+    tenant: str  # a batch queue's tenant token
 
 
 def cost(prompt_tokens: int, generated_tokens: int) -> float:
@@ -120,30 +181,47 @@ class Picker:
         self._script = connection.register_script(PICK_LUA)
 
     def pick(self, candidates: list[Candidate], free: int, extra: int = 0, batch_first: int = 0,
-             charge: float = PICK_CHARGE) -> tuple[list[int], list[tuple[int, str]]]:
-        """(each candidate's length before, [(candidate index, job id)] taken in pick order)."""
+             charge: float = PICK_CHARGE, now: float | None = None) -> tuple[list[int], list[tuple[int, str, str]]]:
+        """(each candidate's length before, [(candidate index, job id, tenant charged)] taken in pick order)."""
         if not candidates or free + extra <= 0:
             return [0] * len(candidates), []
-        script_keys, args = [], [len(candidates), free, extra, batch_first, charge]
+        due_before = (time.time() if now is None else now) + DEADLINE_BOOST_S
+        script_keys, args = [], [len(candidates), free, extra, batch_first, charge, FAIR_WINDOW, due_before]
         for c in candidates:
-            script_keys += [c.queue_key, c.intermediate_key, c.fairness_key]
+            script_keys += [c.queue_key, c.intermediate_key, c.fairness_key, c.tenants_key, c.due_key]
             args += [c.group, 1 if c.batch else 0, c.tenant]
         reply = self._script(keys=script_keys, args=args)
         lengths = [int(n) for n in reply[:len(candidates)]]
-        pairs = reply[len(candidates):]
-        taken = [(int(pairs[i]) - 1, _text(pairs[i + 1])) for i in range(0, len(pairs), 2)]
+        triples = reply[len(candidates):]
+        taken = [(int(triples[i]) - 1, _text(triples[i + 1]), _text(triples[i + 2])) for i in range(0, len(triples), 3)]
         return lengths, taken
 
 
-def charge_on(pipe, queue: str, request, prompt_tokens: int, generated_tokens: int) -> None:
-    """Queue, on the transaction that records a job's end, its tenant's charge: what it cost, less the advance
-    the pick charged if it came from a batch queue. `queue` is the job's RQ queue."""
-    parsed = parse_queue(queue)
-    service_class = parsed.service_class
-    tenant = parsed.tenant or tenant_token(getattr(request, "tenant", None))
-    amount = cost(prompt_tokens, generated_tokens) - (PICK_CHARGE if service_class == BATCH else 0.0)
+def note_on(pipe, base: str, queue: str, request, job_id: str, ttl: int) -> None:
+    """Queue, on the enqueue's pipeline, what the pick needs to know of a job in `queue`: the tenant of a job in a
+    shared queue, the deadline of a batch line."""
+    if parse_queue(queue).service_class == BATCH:
+        if request.deadline is not None:
+            deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
+            pipe.zadd(keys.due_key(queue), {job_id: deadline.timestamp()})
+            _expire_on(pipe, keys.due_key(queue), ttl)
+    elif request.tenant is not None:
+        pipe.hset(keys.job_tenants_key(base), job_id, tenant_token(request.tenant))
+        _expire_on(pipe, keys.job_tenants_key(base), ttl)
+
+
+def _expire_on(pipe, key: str, ttl: int) -> None:
+    """Let `key` outlive the jobs it notes (and no longer): its TTL is the longest of theirs."""
+    pipe.expire(key, ttl, nx=True)
+    pipe.expire(key, ttl, gt=True)
+
+
+def charge_on(pipe, queue: str, tenant: str, prompt_tokens: int, generated_tokens: int) -> None:
+    """Queue, on the transaction that records a job's end, the charge of the tenant the pick charged (`tenant`, a
+    token): what the job cost, less the pick's advance. `queue` is the job's RQ queue."""
+    amount = cost(prompt_tokens, generated_tokens) - PICK_CHARGE
     if amount:
-        pipe.hincrbyfloat(keys.fairness_key(keys.base_queue(queue), service_class), tenant, amount)
+        pipe.hincrbyfloat(keys.fairness_key(keys.base_queue(queue), parse_queue(queue).service_class), tenant, amount)
 
 
 def served(connection, base: str, service_class: str) -> dict[str, float]:

@@ -96,6 +96,8 @@ def unprioritised(rq_queue: str) -> str:
 # ----- service classes and fairness (batcher/service_class.py, batcher/fairness.py) -----
 CLASS_QUEUES_PREFIX = "batcher:class-queues:"
 FAIRNESS_PREFIX = "batcher:vtc:"
+JOB_TENANTS_PREFIX = "batcher:job-tenants:"
+DUE_PREFIX = "batcher:due:"
 
 
 def class_queues_key(base: str) -> str:
@@ -107,6 +109,18 @@ def class_queues_key(base: str) -> str:
 def fairness_key(base: str, service_class: str) -> str:
     """Hash: tenant -> tokens served (weighted) in one class of a base queue, and the class's virtual time."""
     return f"{FAIRNESS_PREFIX}{check_queue(base)}:{service_class}"
+
+
+def job_tenants_key(base: str) -> str:
+    """Hash: job id -> tenant token, for the queued jobs of a base's shared (priority and interactive) queues that
+    name a tenant; the fair pick reads it and forgets a job it takes."""
+    return JOB_TENANTS_PREFIX + check_queue(base)
+
+
+def due_key(rq_queue: str) -> str:
+    """Sorted set: the lines queued in one batch queue, by their batch's deadline (unix time): the fair pick takes
+    the lines whose window is about to close first."""
+    return DUE_PREFIX + rq_queue
 
 
 def stream_key(job_id: str) -> str:

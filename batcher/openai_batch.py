@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from batcher.openai_logprobs import LogprobsError, chat_logprobs, completion_logprobs, requested
 from batcher.schema import Choice, GenerationRequest, GenerationResult, Usage
-from batcher.service_class import SERVICE_TIERS
+from batcher.service_class import BATCH, SERVICE_TIERS, TIER_OF_CLASS
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -154,9 +154,9 @@ def usage_body(usage: Usage) -> dict:
 
 
 def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, request_id: str | None = None,
-                  created: int | None = None) -> dict:
+                  created: int | None = None, service_tier: str | None = None) -> dict:
     """The endpoint's OpenAI object (text_completion or chat.completion) for a result: the body of a batch
-    output line and the answer of the gateway's HTTP endpoints.
+    output line and the answer of the gateway's HTTP endpoints. `service_tier` is the tier it ran in.
 
     `token_ids` is our addition to a completion choice; OpenAI clients ignore unknown fields."""
     usage = usage_body(result.usage)
@@ -173,13 +173,16 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
                   for c in choices]
         body = {"id": f"{COMPLETION_ID_PREFIX}{request_id}", "object": "text_completion"}
     body.update(created=created, model=result.model, choices=shaped, usage=usage)
+    if service_tier is not None:
+        body["service_tier"] = service_tier
     return body
 
 
 def response_line(custom_id: str | None, result: GenerationResult, endpoint: str = COMPLETIONS_URL,
                   request_id: str | None = None, created: int | None = None) -> dict:
-    """A successful output line; its body is the endpoint's OpenAI object (`response_body`)."""
-    body = response_body(result, endpoint, request_id, created)
+    """A successful output line; its body is the endpoint's OpenAI object (`response_body`), run in the batch
+    class (whatever tier the line asked for)."""
+    body = response_body(result, endpoint, request_id, created, TIER_OF_CLASS[BATCH])
     line = {"custom_id": custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
     return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line

@@ -21,7 +21,7 @@ from redis import Redis
 from rq import worker_registration
 from rq.command import handle_command, parse_payload, send_shutdown_command, send_stop_job_command
 from rq.defaults import DEFAULT_FAILURE_TTL
-from rq.exceptions import DequeueTimeout, DeserializationError, InvalidJobOperation, NoSuchJobError
+from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -109,14 +109,10 @@ class BaseJobWorker(BaseWorker):
             raise exc
 
     # ----- taking and starting jobs -----
-    def wait_for_job(self, queue: Queue, timeout: int) -> Job | None:
-        """Block (BLMOVE) on one queue for a job: only one queue can be watched reliably."""
-        try:
-            got = self.queue_class.dequeue_any([queue], timeout, connection=self.connection,
-                                               job_class=self.job_class, serializer=self.serializer)
-        except DequeueTimeout:
-            return None
-        return got[0] if got else None
+    def wait_for_work(self, queue: Queue, timeout: int) -> bool:
+        """Block until `queue` holds a job (at most `timeout` s), without taking it: a BLMOVE of the queue's head
+        onto itself, which leaves the queue as it was. The fair pick then chooses which job to take."""
+        return self.connection.blmove(queue.key, queue.key, timeout, "LEFT", "LEFT") is not None
 
     def stranded(self, queues: list[Queue]) -> dict[Queue, list[str]]:
         """The job ids waiting in each queue's intermediate list: taken, not started (yet)."""

@@ -35,8 +35,8 @@ ServiceClass = Literal["priority", "interactive", "batch"]
 SERVICE_TIERS = {"auto": INTERACTIVE, "default": INTERACTIVE, "flex": BATCH, "priority": PRIORITY}
 TIER_OF_CLASS = {PRIORITY: "priority", INTERACTIVE: "default", BATCH: "flex"}
 
-# A batch line whose batch has less than this left runs at interactive urgency in the engine: it is admitted
-# before the other batch lines and never preempted for an interactive request.
+# A batch line whose batch has less than this left is due: the pick takes it before other batch work, as urgent
+# work (`batcher.fairness`), and the engine runs it at interactive urgency, never preempting it for interactive work.
 DEADLINE_BOOST_S = 15 * 60
 
 TENANT_TOKEN_CHARS = 40  # a tenant's part of a queue name; longer (or odd) tenants get a slug and a hash

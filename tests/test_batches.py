@@ -74,6 +74,7 @@ def test_a_batch_counts_each_job_once_and_renders_its_files_in_input_order(fake_
     assert [o["custom_id"] for o in out] == [f"c{i}" for i in (1, 2, 4, 5, 6, 8, 9)]
     assert out[0]["response"]["body"]["choices"][0]["text"] == f"text of {job_ids[1]}"
     assert out[0]["response"]["body"]["object"] == "text_completion"
+    assert {o["response"]["body"]["service_tier"] for o in out} == {"flex"}  # the tier batch lines run in
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
         ("c0", "generation_failed"), (None, "invalid_request"), (None, "invalid_request")]
     assert "line 4: not valid JSON" in errors[1]["error"]["message"]
@@ -102,6 +103,7 @@ def test_cancel_takes_queued_jobs_out_and_keeps_what_finished(fake_redis):
     assert cancelled.status == "cancelled" and cancelled.cancelling_at and cancelled.cancelled_at
     assert cancelled.request_counts.model_dump() == {"total": 6, "completed": 2, "failed": 4}
     assert queued_ids(client) == [other] and queued_ids(client, class_queue(keys.DEFAULT_QUEUE, BATCH, 0)) == []
+    assert not fake_redis.exists(keys.due_key(class_queue(keys.DEFAULT_QUEUE, BATCH, 0))), "no stale deadline"
     assert Job.fetch(keys.batch_job_id(batch.id, 5), connection=fake_redis,
                      serializer=JSONSerializer).get_status() == JobStatus.CANCELED
     finish(client, keys.batch_job_id(batch.id, 2))  # a late end (stopped after the cancel) changes nothing

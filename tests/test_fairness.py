@@ -6,6 +6,7 @@ pickers at once, on the real Redis. A simulated job ends right after it is picke
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,20 +17,22 @@ from batcher.fairness import Candidate, Picker, charge_on, cost
 from batcher.schema import GenerationRequest
 from batcher.service_class import (BATCH, INTERACTIVE, PRIORITY, RANK, class_of, class_queue, parse_queue,
                                    tenant_token, urgency_of)
-from tests.jobs_support import claim_database, fake_redis_fixture, release_database  # noqa: F401
+from tests.jobs_support import claim_database, fake_redis_fixture, release_database, wait_for  # noqa: F401
 
 BASE = "fair"
 
 
 def candidates(tenants: list[str], extra: list[tuple[str, int]] = ()) -> list[Candidate]:
     """Batch queues of `tenants` in one group, after `extra` non-batch (queue, group) pairs."""
-    rows = [Candidate(f"rq:queue:{name}", f"rq:intermediate:{name}", keys.fairness_key(BASE, parse_queue(name).service_class),
-                      group, False, "-") for name, group in extra]
-    for tenant in tenants:
-        name = class_queue(BASE, BATCH, 0, tenant)
-        rows.append(Candidate(f"rq:queue:{name}", f"rq:intermediate:{name}", keys.fairness_key(BASE, BATCH),
-                              RANK[BATCH] * 1000, True, tenant_token(tenant)))
-    return rows
+    rows = [candidate(name, group) for name, group in extra]
+    return rows + [candidate(class_queue(BASE, BATCH, 0, tenant), RANK[BATCH] * 1000) for tenant in tenants]
+
+
+def candidate(name: str, group: int) -> Candidate:
+    parsed = parse_queue(name)
+    return Candidate(f"rq:queue:{name}", f"rq:intermediate:{name}", keys.fairness_key(BASE, parsed.service_class),
+                     keys.job_tenants_key(BASE), keys.due_key(name), group, parsed.service_class == BATCH,
+                     parsed.tenant or "-")
 
 
 def push(redis, queue: str, job_ids: list[str]) -> None:
@@ -37,10 +40,10 @@ def push(redis, queue: str, job_ids: list[str]) -> None:
         redis.rpush(f"rq:queue:{queue}", *job_ids)
 
 
-def end(redis, queue: str, prompt: int, generated: int) -> None:
+def end(redis, queue: str, tenant: str, prompt: int, generated: int) -> None:
     with redis.pipeline() as pipe:
         pipe.multi()
-        charge_on(pipe, queue, None, prompt, generated)
+        charge_on(pipe, queue, tenant, prompt, generated)
         pipe.execute()
 
 
@@ -94,11 +97,11 @@ def test_the_pick_takes_the_most_urgent_class_first_and_batch_only_into_free_slo
     push(fake_redis, f"{BASE}.priority", ["p1"])
     rows = candidates(["a"], [(f"{BASE}.priority", 0), (BASE, 1000)])
     lengths, taken = picker.pick(rows, free=0, extra=5)  # no free slot: only work that may preempt batch work
-    assert lengths == [1, 1, 3] and [job for _, job in taken] == ["p1", "i1"]
+    assert lengths == [1, 1, 3] and [job for _, job, _ in taken] == ["p1", "i1"]
     assert fake_redis.lrange(f"rq:intermediate:{BASE}", 0, -1) == [b"i1"]  # taken as RQ's reliable dequeue takes
     push(fake_redis, BASE, ["i2"])
     _, taken = picker.pick(rows, free=2, extra=0, batch_first=1)  # the batch class's minimum share goes first
-    assert [job for _, job in taken] == ["b1", "i2"]
+    assert [job for _, job, _ in taken] == ["b1", "i2"]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -130,11 +133,21 @@ def test_over_any_window_a_backlogged_tenant_gets_its_share_less_a_request(fake_
         _, taken = picker.pick(rows, free=1)
         if not taken:
             break
-        _, job = taken[0]
+        _, job, charged = taken[0]
         tenant = job.rsplit("-", 1)[0]
-        end(fake_redis, class_queue(BASE, BATCH, 0, tenant), *jobs[job])
+        assert charged == tenant
+        end(fake_redis, class_queue(BASE, BATCH, 0, tenant), tenant, *jobs[job])
         served.append((tenant, cost(*jobs[job])))
-    remaining = {t: len(c) for t, c in zip(tenants, costs)}
+    assert_fair_share(served, tenants, {t: len(c) for t, c in zip(tenants, costs)}, {tenants[-1]: joined_at},
+                      largest)
+
+
+def assert_fair_share(served: list[tuple[str, float]], tenants: list[str], jobs: dict[str, int],
+                      joined_at: dict[str, int], largest: float) -> None:
+    """VTC's bound over every window of the pick order `served` [(tenant, cost)]: each tenant with work waiting
+    throughout (from its `joined_at` pick, 0 by default, until its `jobs` are all taken) gets at least an equal
+    share of the window's service less `largest` (less twice that for a window that starts later)."""
+    remaining = dict(jobs)
     backlog_ends = {}  # the pick after which each tenant had nothing left waiting
     for i, (tenant, _) in enumerate(served):
         remaining[tenant] -= 1
@@ -146,13 +159,97 @@ def test_over_any_window_a_backlogged_tenant_gets_its_share_less_a_request(fake_
             prefix[t].append(prefix[t][-1] + (c if t == tenant else 0.0))
     for start in range(len(served)):
         for stop in range(start + 1, len(served) + 1):
-            active = [t for t in tenants if (t != tenants[-1] or start >= joined_at) and backlog_ends[t] >= stop - 1]
+            active = [t for t in tenants if start >= joined_at.get(t, 0) and backlog_ends[t] >= stop - 1]
             if len(active) < 2:
                 continue
             got = {t: prefix[t][stop] - prefix[t][start] for t in active}
             slack = largest if start == 0 else 2 * largest
             for t in active:
                 assert got[t] >= sum(got.values()) / len(active) - slack, (t, start, stop, got)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(costs=st.lists(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), min_size=3, max_size=15),
+                      min_size=2, max_size=4),
+       order=st.randoms(use_true_random=False))
+def test_interactive_tenants_sharing_one_queue_get_their_share_whatever_the_arrival_order(fake_redis, costs, order):
+    """Chat requests of all tenants wait in one queue (the one plain-RQ producers use): the pick takes, within
+    its window, the oldest job of the least served tenant, so a tenant that sent first and most does not hold back
+    the others. Tenant t0 floods the queue first; the others' jobs arrive after, in any interleaving."""
+    fake_redis.flushall()
+    picker = Picker(fake_redis)
+    tenants = [f"t{i}" for i in range(len(costs))]
+    jobs = {f"{t}-{j}": c for t, tenant_costs in zip(tenants, costs) for j, c in enumerate(tenant_costs)}
+    slots = [t for t, tenant_costs in zip(tenants[1:], costs[1:]) for _ in tenant_costs]
+    order.shuffle(slots)
+    sent = Counter()
+    arrival = [f"t0-{j}" for j in range(len(costs[0]))]
+    for t in slots:  # each tenant's own jobs in their order
+        arrival.append(f"{t}-{sent[t]}")
+        sent[t] += 1
+    assert len(arrival) <= fairness.FAIR_WINDOW
+    push(fake_redis, BASE, arrival)
+    fake_redis.hset(keys.job_tenants_key(BASE), mapping={job: job.rsplit("-", 1)[0] for job in arrival})
+    rows = [candidate(BASE, 0)]
+    served: list[tuple[str, float]] = []
+    while True:
+        _, taken = picker.pick(rows, free=1)
+        if not taken:
+            break
+        _, job, charged = taken[0]
+        assert charged == job.rsplit("-", 1)[0]
+        end(fake_redis, BASE, charged, *jobs[job])
+        served.append((charged, cost(*jobs[job])))
+    assert len(served) == len(jobs)
+    assert not fake_redis.exists(keys.job_tenants_key(BASE)), "a job's tenant is forgotten once it is taken"
+    largest = max(cost(*c) for c in jobs.values())
+    assert_fair_share(served, tenants, {t: len(c) for t, c in zip(tenants, costs)}, {}, largest)
+
+
+def test_a_job_that_names_no_tenant_is_served_as_one_more_tenant(fake_redis):
+    """Plain-RQ producers name no tenant: their jobs share one counter, fairly against named tenants."""
+    picker = Picker(fake_redis)
+    push(fake_redis, BASE, ["a-0", "a-1", "a-2", "rq-0", "rq-1"])
+    fake_redis.hset(keys.job_tenants_key(BASE), mapping={"a-0": "a", "a-1": "a", "a-2": "a"})
+    _, taken = picker.pick([candidate(BASE, 0)], free=4)
+    assert [(job, tenant) for _, job, tenant in taken] == [("a-0", "a"), ("rq-0", "-"), ("a-1", "a"), ("rq-1", "-")]
+    assert fake_redis.lrange(f"rq:intermediate:{BASE}", 0, -1) == [b"a-0", b"rq-0", b"a-1", b"rq-1"]
+    assert fake_redis.lrange(f"rq:queue:{BASE}", 0, -1) == [b"a-2"]
+
+
+def test_a_batch_line_whose_window_closes_soon_is_taken_first_and_as_urgent_work(fake_redis):
+    picker = Picker(fake_redis)
+    now = 1_000_000.0
+    a, b = class_queue(BASE, BATCH, 0, "a"), class_queue(BASE, BATCH, 0, "b")
+    push(fake_redis, a, ["a-0", "a-1"])
+    push(fake_redis, b, ["b-0", "b-1", "b-2"])
+    fake_redis.zadd(keys.due_key(a), {"a-0": now + 20 * 3600, "a-1": now + 20 * 3600})
+    fake_redis.zadd(keys.due_key(b), {"b-0": now + 60, "b-1": now + 60, "b-2": now + 20 * 3600})
+    fake_redis.hset(keys.fairness_key(BASE, BATCH), mapping={"a": 0, "b": 10_000})  # b was served far more
+    rows = candidates(["a", "b"])
+    _, taken = picker.pick(rows, free=0, extra=1, now=now)  # due: it may take a slot from batch work
+    assert [job for _, job, _ in taken] == ["b-0"]
+    fake_redis.lrem(f"rq:queue:{b}", 1, "b-1")  # b-1 is gone (its batch was swept): a stale due entry
+    _, taken = picker.pick(rows, free=2, now=now)
+    assert [job for _, job, _ in taken] == ["a-0", "a-1"], "nothing due is left: the least served tenant again"
+    assert fake_redis.zcard(keys.due_key(b)) == 1 and fake_redis.zcard(keys.due_key(a)) == 0
+    _, taken = picker.pick(rows, free=0, extra=1, now=now)
+    assert taken == [], "a line not due waits for a free slot"
+    _, taken = picker.pick(rows, free=1, now=now + 20 * 3600)  # later, b-2's window nears its end too
+    assert [job for _, job, _ in taken] == ["b-2"]
+
+
+def test_the_enqueue_notes_a_shared_jobs_tenant_and_a_batch_lines_deadline(fake_redis):
+    client = Client(fake_redis, queue=BASE)
+    chat = client.submit({"prompt": "x", "tenant": "team@a.example"})
+    anonymous = client.submit("y")
+    batch = client.create_batch(['{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "y"}}'],
+                                owner="key-0123")
+    noted = fake_redis.hgetall(keys.job_tenants_key(BASE))
+    assert noted == {chat.encode(): tenant_token("team@a.example").encode()} and anonymous.encode() not in noted
+    line = keys.batch_job_id(batch.id, 0)
+    assert fake_redis.zscore(keys.due_key(f"{BASE}.batch-key-0123"), line) == batch.expires_at
+    assert fake_redis.ttl(keys.job_tenants_key(BASE)) > 0 and fake_redis.ttl(keys.due_key(f"{BASE}.batch-key-0123")) > 0
 
 
 def test_two_pickers_at_once_share_one_counter_and_take_each_job_once():
@@ -170,7 +267,7 @@ def test_two_pickers_at_once_share_one_counter_and_take_each_job_once():
                 _, got = picker.pick(rows, free=4)
                 if not got:
                     return
-                taken.extend(job for _, job in got)
+                taken.extend(job for _, job, _ in got)
 
         threads = [threading.Thread(target=worker) for _ in range(2)]
         for thread in threads:
@@ -182,5 +279,26 @@ def test_two_pickers_at_once_share_one_counter_and_take_each_job_once():
         assert counters == {"a": 60 * fairness.PICK_CHARGE, "b": 60 * fairness.PICK_CHARGE}
         first_half = taken[:60]  # the advance charged at the pick alternates the tenants across both pickers
         assert abs(sum(job.startswith("a-") for job in first_half) - 30) <= 8
+    finally:
+        release_database(redis)
+
+
+def test_an_idle_workers_wait_wakes_on_a_job_and_leaves_the_queue_as_it_was():
+    """An idle worker blocks on its first queue without taking anything, so the pick then chooses fairly."""
+    from tests.fake_engine import FakeEngine
+    from workers.worker import JobWorker
+
+    url, redis = claim_database()
+    try:
+        worker = JobWorker(keys.priority_queue_names([BASE]), FakeEngine(), connection=redis)
+        queue = worker.queues[0]
+        assert worker.wait_for_work(queue, 1) is False
+        woke: list[bool] = []
+        waiting = threading.Thread(target=lambda: woke.append(worker.wait_for_work(queue, 30)))
+        waiting.start()
+        wait_for(lambda: any(c.get("cmd") == "blmove" for c in redis.client_list()), 10, "the worker to block")
+        redis.rpush(queue.key, "j1", "j2")
+        waiting.join(30)
+        assert woke == [True] and redis.lrange(queue.key, 0, -1) == [b"j1", b"j2"]
     finally:
         release_database(redis)

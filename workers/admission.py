@@ -1,10 +1,11 @@
 """Admission: while the engine has room, take jobs from the queues (most urgent class first, fairly between
 tenants: `workers.urgency`) and start them.
 
-Each taken job goes through RQ's reliable dequeue (LMOVE into the queue's intermediate list), is fetched,
+Each taken job moves into its queue's intermediate list, as RQ's reliable dequeue moves it, is fetched,
 started as its own RQ Execution under a lease (one transaction for all jobs taken together), decoded, checked
 against its deadline and its cancel flag, and handed to the engine. A job that cannot run ends at once with a
-readable reason. A busy worker rescans the queues at most every BUSY_RESCAN_S; an idle one blocks on Redis.
+readable reason. A busy worker rescans the queues at most every BUSY_RESCAN_S; an idle one blocks on Redis until
+its first queue has work (without taking it), then picks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 1  # the longest an idle worker blocks on Redis (or waits while suspended)
 BUSY_RESCAN_S = 0.02  # a busy worker that found nothing to admit looks again after this long, not every step
 CANCELLED_BEFORE_START = "cancelled before it started"
+
+Taken = tuple[Job, Queue, str]  # a job the pick took, its queue, and the tenant its advance was charged to
 
 
 class Admission:
@@ -65,24 +68,25 @@ class Admission:
             return []
         self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit)
         self.queues_empty = not any(self.queue_depths.values())
-        taken: list[tuple[Job, Queue]] = []
+        taken: list[Taken] = []
         for queue, ids in picked:
-            taken += [(job, queue) for job in self._readable(queue, ids)]
-        if not taken and block:
-            taken += self._wait_for_job(worker.queues[0])
+            taken += self._readable(queue, ids)
+        if not taken and block and worker.wait_for_work(worker.queues[0], IDLE_WAIT_S):
+            self._next_scan = 0.0
+            return self.admit(block=False)  # the pick takes what arrived, fairly
         if not taken:
             return []
         self._next_scan = 0.0  # there may be more: look again before the next step
         return self._start(taken)
 
-    def _readable(self, queue: Queue, job_ids: list[str]) -> list[Job]:
+    def _readable(self, queue: Queue, ids: list[tuple[str, str]]) -> list[Taken]:
         """The jobs RQ can load; an id whose job was deleted meanwhile, or is unreadable, is dropped."""
         jobs = []
-        for job_id, job in zip(job_ids, self._fetch(job_ids)):
+        for (job_id, tenant), job in zip(ids, self._fetch([job_id for job_id, _ in ids])):
             if job is None:
                 self.worker.drop_taken(queue, job_id)
             else:
-                jobs.append(job)
+                jobs.append((job, queue, tenant))
         return jobs
 
     def _fetch(self, job_ids: list[str]) -> list[Job | None]:
@@ -104,28 +108,16 @@ class Admission:
                     jobs.append(None)
             return jobs
 
-    def _wait_for_job(self, queue: Queue) -> list[tuple[Job, Queue]]:
-        try:
-            job = self.worker.wait_for_job(queue, IDLE_WAIT_S)
-        except REDIS_ERRORS:
-            raise
-        except Exception as exc:  # a hash RQ cannot read: nothing can run it
-            log.error("dropping job %s: RQ cannot read it: %s", getattr(exc, "job_id", None), exc)
-            if getattr(exc, "job_id", None):
-                self.worker.drop_taken(queue, exc.job_id)
-            return []
-        return [(job, queue)] if job else []
-
-    def _start(self, taken: list[tuple[Job, Queue]]) -> list[InFlight]:
+    def _start(self, taken: list[Taken]) -> list[InFlight]:
         """Start every taken job as its own Execution under a lease (one transaction), then hand it to the
         engine. A job another execution holds (a duplicate queue entry) or that already ended is only dropped."""
         worker = self.worker
-        started: list[tuple[Job, Queue, Execution, int]] = []
+        started: list[tuple[Job, Queue, str, Execution, int]] = []
 
         def build(pipe, holders: list[str | None]) -> None:
             started.clear()
             pipe.multi()
-            for (job, queue), holder in zip(taken, holders):
+            for (job, queue, tenant), holder in zip(taken, holders):
                 if holder is not None or job.get_status(refresh=False) in TERMINAL_STATUSES:
                     log.warning("job %s is %s; dropping a duplicate of it from queue %s", job.id,
                                 "leased by another execution" if holder else "over", queue.name)
@@ -133,15 +125,15 @@ class Admission:
                     continue
                 execution = worker.start_on(pipe, job, queue)
                 claim_on(pipe, job.id, execution.id, queue.name, worker.lease_s)
-                started.append((job, queue, execution, len(pipe)))
+                started.append((job, queue, tenant, execution, len(pipe)))
                 pipe.exists(keys.cancel_key(job.id))
                 pipe.xrevrange(keys.stream_key(job.id), count=1)
 
-        replies = fenced(worker.connection, [job.id for job, _ in taken], build)
+        replies = fenced(worker.connection, [job.id for job, _, _ in taken], build)
         admitted_at = time.monotonic()
         admitted = []
-        for job, queue, execution, at in started:
-            f = InFlight(job, queue, execution, admitted_at, worker.result_ttl(job), failure_ttl(job))
+        for job, queue, tenant, execution, at in started:
+            f = InFlight(job, queue, execution, admitted_at, worker.result_ttl(job), failure_ttl(job), tenant)
             cancelled, top = replies[at], replies[at + 1]
             self.streams.begin(job.id, execution.id, top[0][0] if top else None, f.result_ttl)
             admitted.append(f)

@@ -56,6 +56,7 @@ class InFlight:
     admitted_at: float  # time.monotonic()
     result_ttl: int
     failure_ttl: int
+    tenant: str  # whose fair-share counter the pick charged (`batcher.fairness`); the end corrects it
     timeout_at: float | None = None
     request: GenerationRequest | None = None  # None until decoded, or if the job carries no valid request
     end: JobEnd | None = None

@@ -39,7 +39,7 @@ def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlig
                 end = f.end
                 record_end(pipe, f.job, f.queue, end.status, request=f.request, result=end.result,
                            reason=end.reason, worker=worker, execution=f.execution, stream_event=False)
-                charge_end_on(pipe, f.queue.name, f.request, end.result)  # the tenant's fair-share counter
+                charge_end_on(pipe, f.queue.name, f.tenant, end.result)  # the tenant's fair-share counter
                 release_on(pipe, f.job.id, f.id, f.queue.name)
                 recorded.append(f)
 

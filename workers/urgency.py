@@ -6,8 +6,8 @@ and batch classes of its bases (a batch queue per tenant) are found in their reg
 stranded-job requeue and RQ maintenance cover them as any other. One pick (`batcher.fairness.Picker`, a Lua
 script) then takes, atomically across workers:
 - first, up to the engine's `batch_deficit` batch jobs, the batch class's minimum share of the slots;
-- then the most urgent waiting work: priority, interactive, then batch, each by level, and batch jobs from
-  the tenant with the least service (VTC);
+- then the most urgent waiting work: priority, interactive, batch lines whose window is about to close, then
+  batch, each by level, and each job from the tenant with the least service (VTC);
 - up to the engine's free slots, and for priority and interactive work up to `urgent_room` more: the engine
   takes them into its waiting queue and preempts as many running batch sequences (bounded by the batch
   work above its minimum share). How many batch lines are queued never delays an interactive job.
@@ -60,15 +60,17 @@ class ClassAdmission:
         self._known.update(new)
         self._refresh(worker.queues)
 
-    def pick(self, free: int, extra: int, batch_first: int) -> tuple[dict[str, int], list[tuple[object, list[str]]]]:
-        """({queue name: depth before}, [(queue, job ids taken)]): the jobs are in the queues' intermediate lists."""
+    def pick(self, free: int, extra: int, batch_first: int
+             ) -> tuple[dict[str, int], list[tuple[object, list[tuple[str, str]]]]]:
+        """({queue name: depth before}, [(queue, [(job id, tenant charged)])]): the jobs taken are in the queues'
+        intermediate lists, and each one's tenant was charged the pick's advance."""
         candidates = [c for c, _ in self._candidates]
         lengths, taken = self._picker.pick(candidates, free, extra, batch_first)
         depths = {queue.name: n for (_, queue), n in zip(self._candidates, lengths)}
-        by_queue: dict[int, list[str]] = defaultdict(list)
-        for index, job_id in taken:
-            by_queue[index].append(job_id)
-        return depths, [(self._candidates[i][1], ids) for i, ids in by_queue.items()]
+        by_queue: dict[int, list[tuple[str, str]]] = defaultdict(list)
+        for index, job_id, tenant in taken:
+            by_queue[index].append((job_id, tenant))
+        return depths, [(self._candidates[i][1], jobs) for i, jobs in by_queue.items()]
 
     def _refresh(self, queues: list) -> None:
         rows = []
@@ -81,9 +83,10 @@ class ClassAdmission:
             if batch:  # one group for the tenants of a base, whatever model queue they came through
                 position = self.bases.index(keys.base_queue(parsed.routed))
             group = parsed.rank * GROUP_RANK + parsed.level * GROUP_LEVEL + position
-            candidate = Candidate(queue.key, taken_list_key(queue),
-                                  keys.fairness_key(keys.base_queue(parsed.routed), parsed.service_class),
-                                  group, batch, parsed.tenant or tenant_token(None))
+            base = keys.base_queue(parsed.routed)
+            candidate = Candidate(queue.key, taken_list_key(queue), keys.fairness_key(base, parsed.service_class),
+                                  keys.job_tenants_key(base), keys.due_key(queue.name), group, batch,
+                                  parsed.tenant or tenant_token(None))
             rows.append((candidate, queue))
         self._candidates = sorted(rows, key=lambda row: (row[0].group, self.routed.index(parse_queue(row[1].name).routed)))
 
@@ -94,10 +97,11 @@ def in_flight_by_class(in_flight) -> str:
     return ",".join(f"{c}={counts[c]}" for c in CLASSES if counts[c])
 
 
-def charge_end_on(pipe, queue_name: str, request, result) -> None:
-    """Queue the tenant's charge for a job that ended (nothing generated when it carries no result)."""
+def charge_end_on(pipe, queue_name: str, tenant: str, result) -> None:
+    """Queue the charge of the tenant the pick charged, for a job that ended (nothing generated when it carries no
+    result)."""
     usage = result.usage if result is not None else None
-    charge_on(pipe, queue_name, request, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
+    charge_on(pipe, queue_name, tenant, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
 
 
 def _text(value) -> str:

@@ -169,6 +169,7 @@ class BatchStore:
             for start in range(0, len(taken), CHUNK):
                 with self.connection.pipeline(transaction=False) as pipe:
                     cancel_taken_on(pipe, queue, taken[start:start + CHUNK])
+                    pipe.zrem(keys.due_key(queue.name), *taken[start:start + CHUNK])
                     pipe.execute()
         ids_key = keys.batch_custom_ids_key(batch_id)
         now = time.time()

@@ -156,7 +156,7 @@ async def _answer(request: Request, job_id: str, url: str, created: int, tier: s
         if exc.status == "failed":
             raise ApiError(400, exc.reason, code="generation_failed") from None
         raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
-    return JSONResponse({**response_body(result, url, request_id=job_id, created=created), "service_tier": tier})
+    return JSONResponse(response_body(result, url, request_id=job_id, created=created, service_tier=tier))
 
 
 # ----- streaming -----

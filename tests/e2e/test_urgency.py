@@ -17,8 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
+from rq import Queue
+from rq.serializers import JSONSerializer
 from prometheus_client.parser import text_string_to_metric_families
 
+from batcher import keys
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.engine_helpers import random_prompts, reference_tokens
 from tests.jobs_support import wait_for
@@ -115,6 +118,7 @@ def check_outputs(client: OpenAI, batch, model_dir) -> None:
         row = json.loads(line)
         index = int(row["custom_id"][1:])
         assert row["response"]["body"]["choices"][0]["token_ids"] == references[index % len(PROMPTS)], index
+        assert row["response"]["body"]["service_tier"] == "flex"
 
 
 def test_an_interactive_request_never_waits_behind_a_batch_backlog(pool, tiny_model_dir):
@@ -153,6 +157,27 @@ def test_a_tenants_small_batch_is_not_stuck_behind_anothers_large_one(pool):
     assert ran <= 2 * 2 * SLOTS + 10 + 8, f"A completed {ran} lines while B's 10 ran"
     assert a.batches.retrieve(large).status == "in_progress"
     wait_done(a, large)
+
+
+def test_interactive_requests_are_fair_between_tenants(pool, e2e_redis):
+    """A backend floods the model's queue with stock RQ (its jobs name no tenant), then a gateway tenant sends a
+    few chat requests: the tenant's are taken as slots free, not after the flood (first come first served would
+    finish them last)."""
+    base, _, _ = pool
+    _, connection = e2e_redis
+    flood = 12 * SLOTS  # six rounds of both workers' slots
+    queue = Queue(keys.model_queue(QUEUE, MODEL), connection=connection, serializer=JSONSerializer)
+    jobs = queue.enqueue_many([Queue.prepare_data("batcher.jobs.generate", args=(
+        {"prompt_token_ids": PROMPTS[1], "sampling": {"max_tokens": TOKENS, "ignore_eos": True}},))
+        for _ in range(flood)])
+    b = sdk(base, KEY_B)
+    with ThreadPoolExecutor(SLOTS) as threads:
+        answers = list(threads.map(lambda _: b.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=TOKENS, extra_body={"ignore_eos": True}), range(SLOTS)))
+    left = sum(job.get_status(refresh=True) != "finished" for job in jobs)
+    assert [a.usage.completion_tokens for a in answers] == [TOKENS] * SLOTS
+    assert left >= flood // 3, f"only {left} of the flood's {flood} jobs were left when the tenant's {SLOTS} ended"
+    wait_for(lambda: all(job.get_status(refresh=True) == "finished" for job in jobs), BATCH_END_S, "the flood")
 
 
 def test_a_worker_killed_while_holding_preempted_work_loses_nothing(pool, tiny_model_dir):

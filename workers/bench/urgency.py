@@ -13,8 +13,9 @@ Runs a redis-server of its own, one `batcher serve` with two API keys (tenants A
 - two tenants: while A's batch runs, tenant B creates a --small-lines batch; how many of A's lines complete
   from B's creation to B's completion (target: at most 80 at 600 and 10 lines);
 - throughput (with --throughput-lines): a batch alone, created with `batcher batch create` and served by a worker
-  of this tree, then of --baseline-src (a checkout of the code before, e.g. `git archive <commit>`), on the same
-  Redis in turn: lines per second and their ratio (target: at least 0.97).
+  of this tree, then of --baseline-src (a checkout of the code before, e.g. `git worktree add <dir> <commit>`), on
+  the same Redis, alternating for --rounds rounds so that both see the same noise: lines per second, each round's
+  ratio and their median (target: at least 0.97).
 """
 
 from __future__ import annotations
@@ -155,7 +156,25 @@ def _batch_alone(redis_url: str, model: str, dtype: str, threads: int, lines: in
         worker.wait(60)
 
 
-def run(lines, tokens, small, requests, throughput_lines, baseline_src, model, dtype, threads, keep_logs) -> dict:
+def bench_alone(redis_url: str, model: str, dtype: str, threads: int, lines: int, tokens: int, directory: Path,
+                baseline_src: str | None, rounds: int) -> dict:
+    """Lines per second of a batch alone, this tree and the baseline in turn, `rounds` times."""
+    this, baseline = [], []
+    for round_ in range(rounds):
+        this.append(_batch_alone(redis_url, model, dtype, threads, lines, tokens, directory, None, f"this-{round_}"))
+        if baseline_src is not None:
+            baseline.append(_batch_alone(redis_url, model, dtype, threads, lines, tokens, directory,
+                                         Path(baseline_src), f"baseline-{round_}"))
+    report = {"lines": lines, "this_lines_per_s": [round(v, 3) for v in this]}
+    if baseline:
+        ratios = [t / b for t, b in zip(this, baseline)]
+        report.update(baseline_lines_per_s=[round(v, 3) for v in baseline], ratios=[round(r, 3) for r in ratios],
+                      median_ratio=round(statistics.median(ratios), 3))
+    return report
+
+
+def run(lines, tokens, small, requests, throughput_lines, baseline_src, rounds, model, dtype, threads,
+        keep_logs) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="bench-urgency-"))
     processes: list[subprocess.Popen] = []
     try:
@@ -172,13 +191,8 @@ def run(lines, tokens, small, requests, throughput_lines, baseline_src, model, d
                 process.terminate()
                 process.wait(60)
         if throughput_lines:
-            alone = {"this": _batch_alone(redis_url, model, dtype, threads, throughput_lines, tokens, directory,
-                                          None, "this")}
-            if baseline_src is not None:
-                alone["baseline"] = _batch_alone(redis_url, model, dtype, threads, throughput_lines, tokens,
-                                                 directory, Path(baseline_src), "baseline")
-                alone["ratio"] = round(alone["this"] / alone["baseline"], 3)
-            report["throughput_alone"] = {"lines": throughput_lines, **{k: round(v, 3) for k, v in alone.items()}}
+            report["throughput_alone"] = bench_alone(redis_url, model, dtype, threads, throughput_lines, tokens,
+                                                     directory, baseline_src, rounds)
         return report
     finally:
         stop_all(processes, directory, keep_logs)
@@ -195,14 +209,17 @@ def run(lines, tokens, small, requests, throughput_lines, baseline_src, model, d
               help="A batch served alone, by this tree's worker and --baseline-src's (0: skip).")
 @click.option("--baseline-src", type=click.Path(exists=True, file_okay=False),
               help="A source tree of the code before (its batcher/ and workers/), for the throughput ratio.")
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True,
+              help="Alternating runs of this tree and the baseline, for the throughput ratio.")
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="The worker's torch threads.")
 @click.option("--keep-logs", is_flag=True)
-def main(lines, tokens, small_lines, requests, throughput_lines, baseline_src, model, dtype, threads, keep_logs):
+def main(lines, tokens, small_lines, requests, throughput_lines, baseline_src, rounds, model, dtype, threads,
+         keep_logs):
     """Measure interactive TTFT behind a batch, two tenants' batches, and batch throughput; print JSON."""
-    click.echo(json.dumps(run(lines, tokens, small_lines, requests, throughput_lines, baseline_src, model, dtype,
-                              threads, keep_logs), indent=1))
+    click.echo(json.dumps(run(lines, tokens, small_lines, requests, throughput_lines, baseline_src, rounds, model,
+                              dtype, threads, keep_logs), indent=1))
 
 
 if __name__ == "__main__":
