@@ -38,6 +38,7 @@ DEFAULT_SENTINEL_PORT = 26379
 # A sentinel that does not answer is skipped for the next one, soon: discovery must not hang on it.
 SENTINEL_TIMEOUT_S = 2.0
 SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+ASYNC_MAX_CONNECTIONS = 10_000  # Redis's own default maxclients: the gateway relays about as many streams at once
 DEMOTED = "the primary was demoted to a replica (a failover)"
 
 
@@ -98,12 +99,15 @@ def connect(url: str) -> Redis:
 
 
 def connect_async(url: str) -> AsyncRedis:
-    """The asyncio client of the primary that `url` names (any accepted form)."""
+    """The asyncio client of the primary that `url` names (any accepted form). Each stream the gateway relays holds
+    a connection while its blocking read waits, so the pool may open up to ASYNC_MAX_CONNECTIONS (redis-py's
+    default of 100 made the 101st concurrent stream fail with "Too many connections")."""
     if is_sentinel_url(url):
         target = parse_sentinel_url(url)
         return AsyncSentinel(target.sentinels, sentinel_kwargs=target.sentinel_options).master_for(
-            target.service, **target.node_options)
-    return AsyncRedis.from_url(url, connection_class=_ASYNC_CLASSES[_scheme(url)])
+            target.service, max_connections=ASYNC_MAX_CONNECTIONS, **target.node_options)
+    return AsyncRedis.from_url(url, connection_class=_ASYNC_CLASSES[_scheme(url)],
+                               max_connections=ASYNC_MAX_CONNECTIONS)
 
 
 def describe(connection: Redis) -> str:

@@ -210,6 +210,15 @@ def note_on(pipe, base: str, queue: str, request, job_id: str, ttl: int) -> None
         _expire_on(pipe, keys.job_tenants_key(base), ttl)
 
 
+def forget_on(pipe, queue: str, job_ids: list[str]) -> None:
+    """Queue, on the pipeline that takes queued jobs out of `queue` without the pick (a cancel, a batch's sweep),
+    the removal of what `note_on` noted of them."""
+    if parse_queue(queue).service_class == BATCH:
+        pipe.zrem(keys.due_key(queue), *job_ids)
+    else:
+        pipe.hdel(keys.job_tenants_key(keys.base_queue(queue)), *job_ids)
+
+
 def _expire_on(pipe, key: str, ttl: int) -> None:
     """Let `key` outlive the jobs it notes (and no longer): its TTL is the longest of theirs."""
     pipe.expire(key, ttl, nx=True)

@@ -24,6 +24,7 @@ from redis import Redis
 
 from batcher import durability, keys
 from batcher.batches.lines import record_outcome_on
+from batcher.fairness import forget_on
 from batcher.job_stream import append_event
 from batcher.jobs import JOB_FUNCTION
 from batcher.openai_batch import readable
@@ -118,6 +119,7 @@ def cancel(connection: Redis, job: Job, status: JobStatus, replica_wait: durabil
         with connection.pipeline() as pipe:
             pipe.multi()
             record_end(pipe, job, queue, "stopped", request=readable_request(job), reason=CANCELLED_WHILE_QUEUED)
+            forget_on(pipe, queue.name, [job.id])
             pipe.delete(keys.cancel_key(job.id))
             pipe.execute()
         durability.confirm(connection, f"the cancel of job {job.id}", replica_wait,

@@ -250,6 +250,7 @@ def test_the_enqueue_notes_a_shared_jobs_tenant_and_a_batch_lines_deadline(fake_
     line = keys.batch_job_id(batch.id, 0)
     assert fake_redis.zscore(keys.due_key(f"{BASE}.batch-key-0123"), line) == batch.expires_at
     assert fake_redis.ttl(keys.job_tenants_key(BASE)) > 0 and fake_redis.ttl(keys.due_key(f"{BASE}.batch-key-0123")) > 0
+    assert client.cancel(chat) and not fake_redis.hexists(keys.job_tenants_key(BASE), chat), "a cancel forgets it"
 
 
 def test_two_pickers_at_once_share_one_counter_and_take_each_job_once():

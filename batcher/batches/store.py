@@ -13,6 +13,7 @@ from batcher.batches import scripts
 from batcher.batches.lines import CHUNK, EXPIRED_MESSAGE, rendered, write_error_line_on
 from batcher.batches.model import (ACTIVE, DEFAULT_BATCH_RETENTION_S, Batch, BatchErrorItem, BatchErrors,
                                    BatchInputError, BatchNotFound, check_metadata, new_batch_id, parse_window, text)
+from batcher.fairness import forget_on
 from batcher.job_life import cancel_held
 from batcher.openai_batch import CHAT_URL, COMPLETIONS_URL
 from batcher.rq_adapter import Queue, cancel_taken_on, held_job_ids, rq_queue
@@ -169,7 +170,7 @@ class BatchStore:
             for start in range(0, len(taken), CHUNK):
                 with self.connection.pipeline(transaction=False) as pipe:
                     cancel_taken_on(pipe, queue, taken[start:start + CHUNK])
-                    pipe.zrem(keys.due_key(queue.name), *taken[start:start + CHUNK])
+                    forget_on(pipe, queue.name, taken[start:start + CHUNK])
                     pipe.execute()
         ids_key = keys.batch_custom_ids_key(batch_id)
         now = time.time()

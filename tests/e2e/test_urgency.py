@@ -19,9 +19,11 @@ import pytest
 from openai import OpenAI
 from rq import Queue
 from rq.serializers import JSONSerializer
+from rq.suspension import resume, suspend
 from prometheus_client.parser import text_string_to_metric_families
 
 from batcher import keys
+from batcher.gateway.jobs import OUTAGE_WAIT_S
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.engine_helpers import random_prompts, reference_tokens
 from tests.jobs_support import wait_for
@@ -35,6 +37,7 @@ SLOTS = 4
 TOKENS = 24  # per batch line: each line runs for many steps
 PROMPTS = random_prompts(4, seed=19, min_len=6, max_len=14)
 BATCH_END_S = 300
+STREAMS = 150
 LOADED_MARGIN_S = 5.0  # an interactive request behind a batch, against idle: generous (a shared 2-core machine)
 
 
@@ -178,6 +181,32 @@ def test_interactive_requests_are_fair_between_tenants(pool, e2e_redis):
     assert [a.usage.completion_tokens for a in answers] == [TOKENS] * SLOTS
     assert left >= flood // 3, f"only {left} of the flood's {flood} jobs were left when the tenant's {SLOTS} ended"
     wait_for(lambda: all(job.get_status(refresh=True) == "finished" for job in jobs), BATCH_END_S, "the flood")
+
+
+def test_the_gateway_relays_more_streams_at_once_than_a_redis_pools_default(pool, e2e_redis):
+    """Each relayed stream holds a Redis connection while it waits: 150 wait at once while the workers are
+    suspended, longer than the gateway waits out a Redis outage (redis-py's pool stops at 100, and a stream that
+    found no connection for that long failed), then all are answered."""
+    base, _, _ = pool
+    _, connection = e2e_redis
+    a = sdk(base, KEY_A)
+
+    def stream(_) -> int:
+        chunks = a.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=TOKENS, stream=True,
+                                      extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+        return [c.usage.completion_tokens for c in chunks if c.usage][-1]
+
+    suspend(connection)
+    try:
+        with ThreadPoolExecutor(STREAMS) as threads:
+            answered = threads.map(stream, range(STREAMS))
+            queued = f"rq:queue:{keys.model_queue(QUEUE, MODEL)}"
+            wait_for(lambda: connection.llen(queued) == STREAMS, 60, "every request to queue")
+            time.sleep(OUTAGE_WAIT_S + 5)
+            resume(connection)
+            assert list(answered) == [TOKENS] * STREAMS
+    finally:
+        resume(connection)
 
 
 def test_a_worker_killed_while_holding_preempted_work_loses_nothing(pool, tiny_model_dir):
