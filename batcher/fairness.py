@@ -9,9 +9,10 @@ any window each backlogged tenant gets its share of the tokens, give or take one
 Where the tenants' jobs wait:
 - batch work has a queue per tenant: the pick compares the counters of the tenants whose queues hold work;
 - priority and interactive work of a level share one queue (so a plain-RQ producer, and a worker's blocking
-  wait, see one list): the enqueue notes each job's tenant (`keys.job_tenants_key`), and the pick takes, among
-  the first FAIR_WINDOW jobs of the queue, the oldest job of the least served tenant. A tenant whose jobs all
-  wait beyond the window is seen once the jobs ahead of it are taken.
+  wait, see one list): the enqueue notes each job's tenant (`keys.job_tenants_key`) and lists the job in its
+  tenant's order (`keys.waiting_tenants_key`), and the pick takes the oldest job of the least served tenant,
+  however deep in the queue. Jobs that name no tenant (plain RQ) are one more tenant, NO_TENANT, whose oldest
+  job the pick looks for among the first FAIR_WINDOW of the queue.
 
 The pick is one Lua script (`PICK_LUA`), so it holds across any number of workers: it takes the jobs a
 worker has room for, most urgent class first, and charges each job it takes PICK_CHARGE tokens at once
@@ -38,12 +39,12 @@ from batcher.service_class import BATCH, DEADLINE_BOOST_S, NO_TENANT, parse_queu
 W_PROMPT = 1.0  # the paper's weights: a generated token costs about twice a prompt token
 W_GENERATED = 2.0
 PICK_CHARGE = 256.0  # tokens charged when a job is taken; its end corrects it to the real cost
-FAIR_WINDOW = 64  # how far into a shared queue the pick looks for the least served tenant's oldest job
+FAIR_WINDOW = 64  # how far into a shared queue the pick looks for a job that names no tenant
 VIRTUAL_TIME_FIELD = "~v"  # no tenant token has a "~"
 
 # KEYS, per candidate queue (in urgency order: non-batch groups first, then batch groups): its list, its
-# intermediate list, its class's fairness hash, the base's job-tenants hash (read for a shared queue), its due
-# set (read for a batch queue).  ARGV: n, free, extra, batch_first, charge, window, due_before (a unix time),
+# intermediate list, its class's fairness hash, the base's job-tenants hash and the queue's waiting-tenants set
+# (read for a shared queue), its due set (read for a batch queue).  ARGV: n, free, extra, batch_first, charge, window, due_before (a unix time),
 # then per queue: group, is_batch (1/0), tenant token (a batch queue's; unused for a shared queue).
 # Takes up to free + extra jobs: `extra` only for urgent work (non-batch classes and due batch lines: they
 # preempt batch work in the engine), the first `batch_first` from the batch class while it has any (its minimum
@@ -52,7 +53,7 @@ PICK_LUA = """
 local n, free, extra, batch_first, charge, window, due_before = tonumber(ARGV[1]), tonumber(ARGV[2]),
   tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 local group, is_batch, tenant, len = {}, {}, {}, {}
-local function key(i, k) return KEYS[5 * (i - 1) + k] end
+local function key(i, k) return KEYS[6 * (i - 1) + k] end
 for i = 1, n do
   group[i] = tonumber(ARGV[5 + 3 * i])
   is_batch[i] = ARGV[6 + 3 * i] == '1'
@@ -71,20 +72,44 @@ local function counter(h, t)
   end
   return c
 end
--- the oldest job of the least served tenant among the first `window` jobs of shared queue i
+-- the oldest job of the least served tenant in shared queue i: each tenant's waiting jobs are listed in order
+-- (<waiting set>:<tenant>); the jobs that name no tenant (plain RQ) are looked for among the first `window`
 local function shared_pick(i)
-  local ids = redis.call('LRANGE', key(i, 1), 0, window - 1)
-  local owners = redis.call('HMGET', key(i, 4), unpack(ids))
-  local best, best_c, best_t, seen = nil, nil, nil, {}
-  for p = 1, #ids do
-    local t = owners[p] or '""" + NO_TENANT + """'
-    if not seen[t] then
-      seen[t] = true
-      local c = counter(key(i, 3), t)
-      if best == nil or c < best_c then best, best_c, best_t = p, c, t end
+  local h, waiting = key(i, 3), key(i, 6)
+  local best_id, best_t, best_c, listed = nil, nil, nil, 0
+  for _, t in ipairs(redis.call('SMEMBERS', waiting)) do
+    local n = redis.call('LLEN', waiting .. ':' .. t)
+    if n == 0 then
+      redis.call('SREM', waiting, t)
+    else
+      listed = listed + n
+      local c = counter(h, t)
+      if best_c == nil or c < best_c then best_id, best_t, best_c = redis.call('LINDEX', waiting .. ':' .. t, 0), t, c end
     end
   end
-  return i, ids[best], best_t, best_c
+  if listed < len[i] then
+    local ids = redis.call('LRANGE', key(i, 1), 0, window - 1)
+    local owners = redis.call('HMGET', key(i, 4), unpack(ids))
+    for p = 1, #ids do
+      if not owners[p] then
+        local c = counter(h, '""" + NO_TENANT + """')
+        if best_c == nil or c < best_c then best_id, best_t, best_c = ids[p], '""" + NO_TENANT + """', c end
+        break
+      end
+    end
+  end
+  return best_id, best_t, best_c
+end
+-- take shared queue i's next job: (id, tenant, counter), or nil when nothing is left (an entry of a job no longer
+-- queued, cancelled or deleted, is dropped on the way)
+local function shared_take(i)
+  while true do
+    local id, t, c = shared_pick(i)
+    if id == nil then return nil end
+    if t ~= '""" + NO_TENANT + """' then redis.call('LPOP', key(i, 6) .. ':' .. t) end
+    redis.call('HDEL', key(i, 4), id)
+    if redis.call('LREM', key(i, 1), 1, id) == 1 then return id, t, c end
+  end
 end
 -- the due batch line with the earliest deadline (a stale entry, its job no longer queued, is dropped)
 local function due_pick()
@@ -127,14 +152,15 @@ while free + extra > 0 do
           pick, id, t, c = due_pick()
           if pick == nil and free > 0 then pick, id, t, c = least_served() end
         else
-          pick, id, t, c = shared_pick(i)
+          id, t, c = shared_take(i)
+          if id then pick = i end
         end
         break
       end
     end
   end
   if pick == nil then break end
-  redis.call('LREM', key(pick, 1), 1, id)
+  if is_batch[pick] then redis.call('LREM', key(pick, 1), 1, id) end  -- a shared queue's job is out already
   redis.call('RPUSH', key(pick, 2), id)
   len[pick] = len[pick] - 1
   table.insert(result, pick)
@@ -145,8 +171,6 @@ while free + extra > 0 do
   if is_batch[pick] then
     redis.call('ZREM', key(pick, 5), id)
     if batch_first > 0 then batch_first = batch_first - 1 end
-  else
-    redis.call('HDEL', key(pick, 4), id)
   end
   if free > 0 then free = free - 1 else extra = extra - 1 end
 end
@@ -164,6 +188,7 @@ class Candidate:
     fairness_key: str
     tenants_key: str  # the base's job-tenants hash (keys.job_tenants_key)
     due_key: str  # the queue's due set (keys.due_key)
+    waiting_key: str  # the queue's waiting-tenants set (keys.waiting_tenants_key)
     group: int
     batch: bool
     tenant: str  # a batch queue's tenant token
@@ -188,7 +213,7 @@ class Picker:
         due_before = (time.time() if now is None else now) + DEADLINE_BOOST_S
         script_keys, args = [], [len(candidates), free, extra, batch_first, charge, FAIR_WINDOW, due_before]
         for c in candidates:
-            script_keys += [c.queue_key, c.intermediate_key, c.fairness_key, c.tenants_key, c.due_key]
+            script_keys += [c.queue_key, c.intermediate_key, c.fairness_key, c.tenants_key, c.due_key, c.waiting_key]
             args += [c.group, 1 if c.batch else 0, c.tenant]
         reply = self._script(keys=script_keys, args=args)
         lengths = [int(n) for n in reply[:len(candidates)]]
@@ -206,8 +231,13 @@ def note_on(pipe, base: str, queue: str, request, job_id: str, ttl: int) -> None
             pipe.zadd(keys.due_key(queue), {job_id: deadline.timestamp()})
             _expire_on(pipe, keys.due_key(queue), ttl)
     elif request.tenant is not None:
-        pipe.hset(keys.job_tenants_key(base), job_id, tenant_token(request.tenant))
-        _expire_on(pipe, keys.job_tenants_key(base), ttl)
+        tenant = tenant_token(request.tenant)
+        waiting, own = keys.waiting_tenants_key(queue), keys.waiting_tenants_key(queue, tenant)
+        pipe.hset(keys.job_tenants_key(base), job_id, tenant)
+        pipe.rpush(own, job_id)
+        pipe.sadd(waiting, tenant)
+        for key in (keys.job_tenants_key(base), own, waiting):
+            _expire_on(pipe, key, ttl)
 
 
 def forget_on(pipe, queue: str, job_ids: list[str]) -> None:

@@ -98,6 +98,7 @@ CLASS_QUEUES_PREFIX = "batcher:class-queues:"
 FAIRNESS_PREFIX = "batcher:vtc:"
 JOB_TENANTS_PREFIX = "batcher:job-tenants:"
 DUE_PREFIX = "batcher:due:"
+WAITING_TENANTS_PREFIX = "batcher:waiting-tenants:"
 
 
 def class_queues_key(base: str) -> str:
@@ -121,6 +122,12 @@ def due_key(rq_queue: str) -> str:
     """Sorted set: the lines queued in one batch queue, by their batch's deadline (unix time): the fair pick takes
     the lines whose window is about to close first."""
     return DUE_PREFIX + rq_queue
+
+
+def waiting_tenants_key(rq_queue: str, tenant: str | None = None) -> str:
+    """Set: the tenants with jobs noted in one shared (priority or interactive) queue; with `tenant`, the list of
+    that tenant's jobs there, oldest first. The fair pick takes the oldest job of the least served tenant."""
+    return WAITING_TENANTS_PREFIX + rq_queue + ("" if tenant is None else ":" + tenant)
 
 
 def stream_key(job_id: str) -> str:

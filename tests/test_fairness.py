@@ -31,13 +31,25 @@ def candidates(tenants: list[str], extra: list[tuple[str, int]] = ()) -> list[Ca
 def candidate(name: str, group: int) -> Candidate:
     parsed = parse_queue(name)
     return Candidate(f"rq:queue:{name}", f"rq:intermediate:{name}", keys.fairness_key(BASE, parsed.service_class),
-                     keys.job_tenants_key(BASE), keys.due_key(name), group, parsed.service_class == BATCH,
+                     keys.job_tenants_key(BASE), keys.due_key(name), keys.waiting_tenants_key(name), group,
+                     parsed.service_class == BATCH,
                      parsed.tenant or "-")
 
 
 def push(redis, queue: str, job_ids: list[str]) -> None:
     if job_ids:
         redis.rpush(f"rq:queue:{queue}", *job_ids)
+
+
+def enqueue_shared(redis, queue: str, job_ids: list[str]) -> None:
+    """Jobs in a shared queue as the enqueue leaves them: a job "<tenant>-<n>" names its tenant, "rq-<n>" none."""
+    push(redis, queue, job_ids)
+    with redis.pipeline() as pipe:
+        for job in job_ids:
+            tenant = job.rsplit("-", 1)[0]
+            fairness.note_on(pipe, BASE, queue, GenerationRequest(prompt="x", tenant=None if tenant == "rq" else tenant),
+                             job, 3600)
+        pipe.execute()
 
 
 def end(redis, queue: str, tenant: str, prompt: int, generated: int) -> None:
@@ -169,14 +181,17 @@ def assert_fair_share(served: list[tuple[str, float]], tenants: list[str], jobs:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(costs=st.lists(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), min_size=3, max_size=15),
-                      min_size=2, max_size=4),
+@given(flood=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), min_size=3, max_size=150),
+       others=st.lists(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), min_size=3, max_size=15),
+                       min_size=1, max_size=3),
        order=st.randoms(use_true_random=False))
-def test_interactive_tenants_sharing_one_queue_get_their_share_whatever_the_arrival_order(fake_redis, costs, order):
-    """Chat requests of all tenants wait in one queue (the one plain-RQ producers use): the pick takes, within
-    its window, the oldest job of the least served tenant, so a tenant that sent first and most does not hold back
-    the others. Tenant t0 floods the queue first; the others' jobs arrive after, in any interleaving."""
+def test_interactive_tenants_sharing_one_queue_get_their_share_whatever_the_arrival_order(fake_redis, flood, others,
+                                                                                         order):
+    """Chat requests of all tenants wait in one queue (the one plain-RQ producers use): the pick takes the oldest
+    job of the least served tenant however deep it waits, so a tenant that sent first and most does not hold back
+    the others. Tenant t0 floods the queue first (up to 150 jobs); the others' arrive after, in any interleaving."""
     fake_redis.flushall()
+    costs = [flood] + others
     picker = Picker(fake_redis)
     tenants = [f"t{i}" for i in range(len(costs))]
     jobs = {f"{t}-{j}": c for t, tenant_costs in zip(tenants, costs) for j, c in enumerate(tenant_costs)}
@@ -187,9 +202,7 @@ def test_interactive_tenants_sharing_one_queue_get_their_share_whatever_the_arri
     for t in slots:  # each tenant's own jobs in their order
         arrival.append(f"{t}-{sent[t]}")
         sent[t] += 1
-    assert len(arrival) <= fairness.FAIR_WINDOW
-    push(fake_redis, BASE, arrival)
-    fake_redis.hset(keys.job_tenants_key(BASE), mapping={job: job.rsplit("-", 1)[0] for job in arrival})
+    enqueue_shared(fake_redis, BASE, arrival)
     rows = [candidate(BASE, 0)]
     served: list[tuple[str, float]] = []
     while True:
@@ -202,6 +215,7 @@ def test_interactive_tenants_sharing_one_queue_get_their_share_whatever_the_arri
         served.append((charged, cost(*jobs[job])))
     assert len(served) == len(jobs)
     assert not fake_redis.exists(keys.job_tenants_key(BASE)), "a job's tenant is forgotten once it is taken"
+    assert not any(fake_redis.llen(keys.waiting_tenants_key(BASE, t)) for t in tenants)
     largest = max(cost(*c) for c in jobs.values())
     assert_fair_share(served, tenants, {t: len(c) for t, c in zip(tenants, costs)}, {}, largest)
 
@@ -209,12 +223,23 @@ def test_interactive_tenants_sharing_one_queue_get_their_share_whatever_the_arri
 def test_a_job_that_names_no_tenant_is_served_as_one_more_tenant(fake_redis):
     """Plain-RQ producers name no tenant: their jobs share one counter, fairly against named tenants."""
     picker = Picker(fake_redis)
-    push(fake_redis, BASE, ["a-0", "a-1", "a-2", "rq-0", "rq-1"])
-    fake_redis.hset(keys.job_tenants_key(BASE), mapping={"a-0": "a", "a-1": "a", "a-2": "a"})
+    enqueue_shared(fake_redis, BASE, ["a-0", "a-1", "a-2", "rq-0", "rq-1"])
     _, taken = picker.pick([candidate(BASE, 0)], free=4)
     assert [(job, tenant) for _, job, tenant in taken] == [("a-0", "a"), ("rq-0", "-"), ("a-1", "a"), ("rq-1", "-")]
     assert fake_redis.lrange(f"rq:intermediate:{BASE}", 0, -1) == [b"a-0", b"rq-0", b"a-1", b"rq-1"]
     assert fake_redis.lrange(f"rq:queue:{BASE}", 0, -1) == [b"a-2"]
+
+
+def test_a_tenants_job_deep_behind_anothers_flood_is_taken_at_once_and_gone_jobs_are_skipped(fake_redis):
+    picker, rows = Picker(fake_redis), [candidate(BASE, 0)]
+    enqueue_shared(fake_redis, BASE, [f"a-{i}" for i in range(500)])
+    _, taken = picker.pick(rows, free=4)
+    assert [job for _, job, _ in taken] == ["a-0", "a-1", "a-2", "a-3"]
+    enqueue_shared(fake_redis, BASE, ["b-0"])  # 497 of a's jobs ahead of it
+    fake_redis.lrem(f"rq:queue:{BASE}", 1, "a-4")  # deleted from the queue behind the pick's back (`rq empty`...)
+    _, taken = picker.pick(rows, free=2)
+    assert [job for _, job, _ in taken] == ["b-0", "a-5"]
+    assert fake_redis.llen(f"rq:queue:{BASE}") == 494 and fake_redis.llen(keys.waiting_tenants_key(BASE, "a")) == 494
 
 
 def test_a_batch_line_whose_window_closes_soon_is_taken_first_and_as_urgent_work(fake_redis):
@@ -247,6 +272,7 @@ def test_the_enqueue_notes_a_shared_jobs_tenant_and_a_batch_lines_deadline(fake_
                                 owner="key-0123")
     noted = fake_redis.hgetall(keys.job_tenants_key(BASE))
     assert noted == {chat.encode(): tenant_token("team@a.example").encode()} and anonymous.encode() not in noted
+    assert fake_redis.lrange(keys.waiting_tenants_key(BASE, tenant_token("team@a.example")), 0, -1) == [chat.encode()]
     line = keys.batch_job_id(batch.id, 0)
     assert fake_redis.zscore(keys.due_key(f"{BASE}.batch-key-0123"), line) == batch.expires_at
     assert fake_redis.ttl(keys.job_tenants_key(BASE)) > 0 and fake_redis.ttl(keys.due_key(f"{BASE}.batch-key-0123")) > 0

@@ -85,7 +85,8 @@ class ClassAdmission:
             group = parsed.rank * GROUP_RANK + parsed.level * GROUP_LEVEL + position
             base = keys.base_queue(parsed.routed)
             candidate = Candidate(queue.key, taken_list_key(queue), keys.fairness_key(base, parsed.service_class),
-                                  keys.job_tenants_key(base), keys.due_key(queue.name), group, batch,
+                                  keys.job_tenants_key(base), keys.due_key(queue.name),
+                                  keys.waiting_tenants_key(queue.name), group, batch,
                                   parsed.tenant or tenant_token(None))
             rows.append((candidate, queue))
         self._candidates = sorted(rows, key=lambda row: (row[0].group, self.routed.index(parse_queue(row[1].name).routed)))

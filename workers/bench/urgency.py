@@ -170,7 +170,7 @@ def bench_flood(base: str, redis_url: str, model: str, flood: int, tokens: int, 
     left = sum(at > b_done for at in answered)
     idle_s, loaded_s = _summary(idle), _summary(loaded)
     return {"a_requests": flood, "interactive_ttft_idle": idle_s, "b_ttft_behind_a": loaded_s,
-            "a_requests_left_when_b_ended": left}
+            "b_ttft_each_s": [round(t, 3) for t in loaded], "a_requests_left_when_b_ended": left}
 
 
 def bench_steady(base: str, redis_url: str, model: str, lines: int, tokens: int, load: float) -> dict:
