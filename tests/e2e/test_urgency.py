@@ -209,6 +209,35 @@ def test_the_gateway_relays_more_streams_at_once_than_a_redis_pools_default(pool
         resume(connection)
 
 
+def test_under_a_sustained_interactive_overload_a_batch_keeps_its_minimum_share(pool):
+    """Twice as many interactive clients as the pool has slots, each sending again as soon as it is answered: the
+    batch still runs in its minimum share of the slots (`--min-batch-share`, 25%) and completes."""
+    base, _, _ = pool
+    a, b = sdk(base, KEY_A), sdk(base, KEY_B)
+    stop, answered = threading.Event(), []
+
+    def load() -> None:
+        while not stop.is_set():
+            b.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=TOKENS, extra_body={"ignore_eos": True})
+            answered.append(time.monotonic())
+
+    clients = [threading.Thread(target=load) for _ in range(4 * SLOTS)]
+    for client in clients:
+        client.start()
+    try:
+        wait_for(lambda: len(answered) >= 2 * SLOTS, 60, "the interactive load to run")
+        created = time.monotonic()
+        done = wait_done(a, create_batch(a, 6 * SLOTS))
+        ended = time.monotonic()
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(60)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 6 * SLOTS, 0)
+    during = sum(created <= t <= ended for t in answered)
+    assert during >= 6 * SLOTS, f"the interactive load went on while the batch ran ({during} answered)"
+
+
 def test_a_worker_killed_while_holding_preempted_work_loses_nothing(pool, tiny_model_dir):
     base, workers, metrics = pool
     a, b = sdk(base, KEY_A), sdk(base, KEY_B)
