@@ -93,8 +93,8 @@ class Enqueuer:
         if classed:  # queues of a class or a tenant: workers and `batcher queues` find them here
             pipe.sadd(keys.class_queues_key(self.queue), *classed)
         jobs = [self.rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
-        for request, (name, _), job in zip(requests, prepared, jobs):
-            note_on(pipe, self.queue, name, request, job.id, max(self.queue_ttl, job.ttl or 0))
+        noted = [(name, request, job.id) for request, (name, _), job in zip(requests, prepared, jobs)]
+        note_on(pipe, self.queue, noted, max([self.queue_ttl] + [job.ttl or 0 for job in jobs]))
         return jobs
 
     def check_room(self, adding: dict[str, int]) -> None:

@@ -30,8 +30,8 @@ as urgent work (beyond the free slots, as interactive work is): the engine runs 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass
-from datetime import timezone
 
 from batcher import keys
 from batcher.service_class import BATCH, DEADLINE_BOOST_S, NO_TENANT, parse_queue, tenant_token
@@ -44,8 +44,8 @@ VIRTUAL_TIME_FIELD = "~v"  # no tenant token has a "~"
 
 # KEYS, per candidate queue (in urgency order: non-batch groups first, then batch groups): its list, its
 # intermediate list, its class's fairness hash, the base's job-tenants hash and the queue's waiting-tenants set
-# (read for a shared queue), its due set (read for a batch queue).  ARGV: n, free, extra, batch_first, charge, window, due_before (a unix time),
-# then per queue: group, is_batch (1/0), tenant token (a batch queue's; unused for a shared queue).
+# (read for a shared queue), its due set (read for a batch queue).  ARGV: n, free, extra, batch_first, charge,
+# window, due_before (a unix time), then per queue: group, is_batch (1/0), tenant token (a batch queue's).
 # Takes up to free + extra jobs: `extra` only for urgent work (non-batch classes and due batch lines: they
 # preempt batch work in the engine), the first `batch_first` from the batch class while it has any (its minimum
 # share). Returns the queues' lengths before, then (queue position, job id, tenant charged) triples.
@@ -84,7 +84,9 @@ local function shared_pick(i)
     else
       listed = listed + n
       local c = counter(h, t)
-      if best_c == nil or c < best_c then best_id, best_t, best_c = redis.call('LINDEX', waiting .. ':' .. t, 0), t, c end
+      if best_c == nil or c < best_c then
+        best_id, best_t, best_c = redis.call('LINDEX', waiting .. ':' .. t, 0), t, c
+      end
     end
   end
   if listed < len[i] then
@@ -111,8 +113,8 @@ local function shared_take(i)
     if redis.call('LREM', key(i, 1), 1, id) == 1 then return id, t, c end
   end
 end
--- the due batch line with the earliest deadline (a stale entry, its job no longer queued, is dropped)
-local function due_pick()
+-- take the due batch line with the earliest deadline (a stale entry, its job no longer queued, is dropped)
+local function due_take()
   while true do
     local pick, id, at = nil, nil, nil
     for i = 1, n do
@@ -122,12 +124,12 @@ local function due_pick()
       end
     end
     if pick == nil then return nil end
-    if redis.call('LPOS', key(pick, 1), id) then return pick, id, tenant[pick], nil end
     redis.call('ZREM', key(pick, 5), id)
+    if redis.call('LREM', key(pick, 1), 1, id) == 1 then return pick, id, tenant[pick], nil end
   end
 end
--- the next line of the least served batch tenant, in the most urgent batch group with work
-local function least_served()
+-- take the next line of the least served batch tenant, in the most urgent batch group with work
+local function least_served_take()
   local g, best, best_c = nil, nil, nil
   for i = 1, n do
     if is_batch[i] and len[i] > 0 and (g == nil or group[i] == g) then
@@ -137,20 +139,20 @@ local function least_served()
     end
   end
   if best == nil then return nil end
-  return best, redis.call('LINDEX', key(best, 1), 0), tenant[best], best_c
+  return best, redis.call('LPOP', key(best, 1)), tenant[best], best_c
 end
 while free + extra > 0 do
   local pick, id, t, c = nil, nil, nil, nil
   if batch_first > 0 and free > 0 then
-    pick, id, t, c = due_pick()
-    if pick == nil then pick, id, t, c = least_served() end
+    pick, id, t, c = due_take()
+    if pick == nil then pick, id, t, c = least_served_take() end
   end
   if pick == nil then
     for i = 1, n do
       if len[i] > 0 then
         if is_batch[i] then
-          pick, id, t, c = due_pick()
-          if pick == nil and free > 0 then pick, id, t, c = least_served() end
+          pick, id, t, c = due_take()
+          if pick == nil and free > 0 then pick, id, t, c = least_served_take() end
         else
           id, t, c = shared_take(i)
           if id then pick = i end
@@ -160,8 +162,7 @@ while free + extra > 0 do
     end
   end
   if pick == nil then break end
-  if is_batch[pick] then redis.call('LREM', key(pick, 1), 1, id) end  -- a shared queue's job is out already
-  redis.call('RPUSH', key(pick, 2), id)
+  redis.call('RPUSH', key(pick, 2), id)  -- each way of taking a job took it out of its queue
   len[pick] = len[pick] - 1
   table.insert(result, pick)
   table.insert(result, id)
@@ -222,22 +223,32 @@ class Picker:
         return lengths, taken
 
 
-def note_on(pipe, base: str, queue: str, request, job_id: str, ttl: int) -> None:
-    """Queue, on the enqueue's pipeline, what the pick needs to know of a job in `queue`: the tenant of a job in a
-    shared queue, the deadline of a batch line."""
-    if parse_queue(queue).service_class == BATCH:
-        if request.deadline is not None:
-            deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
-            pipe.zadd(keys.due_key(queue), {job_id: deadline.timestamp()})
-            _expire_on(pipe, keys.due_key(queue), ttl)
-    elif request.tenant is not None:
-        tenant = tenant_token(request.tenant)
-        waiting, own = keys.waiting_tenants_key(queue), keys.waiting_tenants_key(queue, tenant)
-        pipe.hset(keys.job_tenants_key(base), job_id, tenant)
-        pipe.rpush(own, job_id)
-        pipe.sadd(waiting, tenant)
-        for key in (keys.job_tenants_key(base), own, waiting):
-            _expire_on(pipe, key, ttl)
+def note_on(pipe, base: str, jobs: list[tuple[str, object, str]], ttl: int) -> None:
+    """Queue, on the enqueue's pipeline, what the pick needs to know of the jobs just queued, each as (RQ queue,
+    request, job id): the tenant of a job in a shared queue and its place in its tenant's order, the deadline of
+    a batch line. The notes live as long as the longest-lived job (`ttl`)."""
+    due: dict[str, dict[str, float]] = defaultdict(dict)
+    tenants: dict[str, str] = {}
+    waiting: dict[str, list[str]] = defaultdict(list)  # a tenant's list in a queue -> the job ids it gains
+    for queue, request, job_id in jobs:
+        if parse_queue(queue).service_class == BATCH:
+            if request.deadline is not None:
+                due[keys.due_key(queue)][job_id] = request.deadline.timestamp()
+        elif request.tenant is not None:
+            tenants[job_id] = tenant = tenant_token(request.tenant)
+            if not waiting[keys.waiting_tenants_key(queue, tenant)]:
+                pipe.sadd(keys.waiting_tenants_key(queue), tenant)
+                _expire_on(pipe, keys.waiting_tenants_key(queue), ttl)
+            waiting[keys.waiting_tenants_key(queue, tenant)].append(job_id)
+    for key, deadlines in due.items():
+        pipe.zadd(key, deadlines)
+        _expire_on(pipe, key, ttl)
+    for key, ids in waiting.items():
+        pipe.rpush(key, *ids)
+        _expire_on(pipe, key, ttl)
+    if tenants:
+        pipe.hset(keys.job_tenants_key(base), mapping=tenants)
+        _expire_on(pipe, keys.job_tenants_key(base), ttl)
 
 
 def forget_on(pipe, queue: str, job_ids: list[str]) -> None:

@@ -6,7 +6,7 @@ with `GenerationRequest.model_validate` and fails the job with the validation me
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -148,6 +148,12 @@ class GenerationRequest(_Strict):
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, min_length=1, description="the whole answer matches this regex")
     choice: list[str] | None = Field(None, description="the whole answer is one of these strings")
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline_in_utc(cls, value: datetime | None) -> datetime | None:
+        """A deadline without a time zone is read as UTC, so every reader compares it the same way."""
+        return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
 
     @field_validator("response_format")
     @classmethod

@@ -112,7 +112,6 @@ def urgency_of(request, now: datetime | None = None) -> tuple[int, int]:
     service_class = class_of(request)
     rank = RANK[service_class]
     if service_class == BATCH and request.deadline is not None:
-        deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
-        if (deadline - (now or datetime.now(timezone.utc))).total_seconds() < DEADLINE_BOOST_S:
+        if (request.deadline - (now or datetime.now(timezone.utc))).total_seconds() < DEADLINE_BOOST_S:
             rank = RANK[INTERACTIVE]
     return rank, request.priority

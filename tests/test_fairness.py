@@ -44,11 +44,10 @@ def push(redis, queue: str, job_ids: list[str]) -> None:
 def enqueue_shared(redis, queue: str, job_ids: list[str]) -> None:
     """Jobs in a shared queue as the enqueue leaves them: a job "<tenant>-<n>" names its tenant, "rq-<n>" none."""
     push(redis, queue, job_ids)
+    tenants = [job.rsplit("-", 1)[0] for job in job_ids]
     with redis.pipeline() as pipe:
-        for job in job_ids:
-            tenant = job.rsplit("-", 1)[0]
-            fairness.note_on(pipe, BASE, queue, GenerationRequest(prompt="x", tenant=None if tenant == "rq" else tenant),
-                             job, 3600)
+        fairness.note_on(pipe, BASE, [(queue, GenerationRequest(prompt="x", tenant=None if t == "rq" else t), job)
+                                      for t, job in zip(tenants, job_ids)], 3600)
         pipe.execute()
 
 

@@ -159,7 +159,5 @@ class Admission:
 
 
 def _check_deadline(request: GenerationRequest) -> None:
-    if request.deadline is not None:
-        deadline = request.deadline if request.deadline.tzinfo else request.deadline.replace(tzinfo=timezone.utc)
-        if datetime.now(timezone.utc) > deadline:
-            raise InvalidJob(f"the deadline {deadline.isoformat()} passed while the job was queued")
+    if request.deadline is not None and datetime.now(timezone.utc) > request.deadline:
+        raise InvalidJob(f"the deadline {request.deadline.isoformat()} passed while the job was queued")

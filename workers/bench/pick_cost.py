@@ -32,11 +32,11 @@ def _fill(connection: Redis, jobs: int, tenants: int) -> None:
     ids = [f"j{i}" for i in range(jobs)]
     if ids:
         connection.rpush(f"rq:queue:{QUEUE}", *ids)
-    with connection.pipeline() as pipe:
-        for i, job in enumerate(ids[:len(ids) if tenants else 0]):
-            request = GenerationRequest(prompt="x", tenant=f"t{i % tenants}")
-            fairness.note_on(pipe, QUEUE, QUEUE, request, job, 3600)
-        pipe.execute()
+    if tenants:
+        with connection.pipeline() as pipe:
+            fairness.note_on(pipe, QUEUE, [(QUEUE, GenerationRequest(prompt="x", tenant=f"t{i % tenants}"), job)
+                                           for i, job in enumerate(ids)], 3600)
+            pipe.execute()
 
 
 def run(repeats: int) -> dict:

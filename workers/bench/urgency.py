@@ -116,7 +116,6 @@ def _summary(values: list[float]) -> dict:
 
 def bench_mixed(base: str, model: str, lines: int, tokens: int, small: int, requests: int) -> dict:
     a, b = _sdk(base, KEY_A), _sdk(base, KEY_B)
-    _wait(lambda: model in [m.id for m in a.models.list()], READY_S, "the worker")
     _ttft(b, model)  # warm up
     idle = [_ttft(b, model) for _ in range(requests)]
     large = _create(a, _lines(lines, tokens, model))
@@ -150,7 +149,6 @@ def bench_mixed(base: str, model: str, lines: int, tokens: int, small: int, requ
 def bench_flood(base: str, redis_url: str, model: str, flood: int, tokens: int, requests: int) -> dict:
     a, b = _sdk(base, KEY_A), _sdk(base, KEY_B)
     queue = Redis.from_url(redis_url)
-    _wait(lambda: model in [m.id for m in a.models.list()], READY_S, "the worker")
     idle = [_ttft(b, model) for _ in range(requests)]
     answered: list[float] = []
 
@@ -176,7 +174,6 @@ def bench_flood(base: str, redis_url: str, model: str, flood: int, tokens: int, 
 def bench_steady(base: str, redis_url: str, model: str, lines: int, tokens: int, load: float) -> dict:
     a, b = _sdk(base, KEY_A), _sdk(base, KEY_B)
     connection = Redis.from_url(redis_url)
-    _wait(lambda: model in [m.id for m in a.models.list()], READY_S, "the worker")
     alone_s, _, _ = _run_batch(a, connection, lines, tokens, model)
     interval = alone_s / lines / load  # between two interactive requests: `load` of the pool's rate
     answered: list[tuple[float, int]] = []  # (unix time answered, tokens)
@@ -273,6 +270,7 @@ def run(lines, tokens, small, requests, flood, steady_lines, steady_load, throug
             gateway, base = _gateway(redis_url, directory / "gateway.log")
             worker = _worker(redis_url, model, dtype, threads, directory / "worker.log")
             processes += [gateway, worker]
+            _wait(lambda: model in [m.id for m in _sdk(base, KEY_A).models.list()], READY_S, "the worker")
             if lines:
                 report["mixed"] = bench_mixed(base, model, lines, tokens, small, requests)
             if flood:
