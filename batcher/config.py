@@ -13,9 +13,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DTYPE = "auto"  # the fastest dtype the device has, measured at start-up (workers.precision)
 DEFAULT_DEVICE = "auto"
 DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash per filled block
-ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON = "auto", "torch", "triton"
-ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON)
-DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, torch (the reference) on a CPU
+ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU = "auto", "torch", "triton", "cpu"
+ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU)
+DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, cpu for bf16 on an AVX-512 BF16 CPU, else torch
 DEFAULT_MIN_BATCH_SHARE = 0.25  # of the slots, kept by batch work under any load of more urgent work
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 

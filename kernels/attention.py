@@ -14,7 +14,9 @@ caching, a sequence may start from blocks that another sequence fills in the sam
 
 On a CPU, decodes at long contexts and prompt chunks after cached keys take the fused path of
 `kernels.segmented` (flash attention over views of the cache, merged by log-sum-exp) when the runner gives
-their keys as runs of cache rows (`decode_runs`, `context_runs`); the padded, masked paths below are the
+their keys as runs of cache rows (`decode_runs`, `context_runs`). On the cpu backend the decodes take the bf16
+kernel of `kernels.native` instead, and so do prompt chunks where the CPU has AMX (`amx_prefill`: the chunk
+over all its keys, cached and its own, straight from the paged cache). The padded, masked paths below are the
 reference, and serve sliding windows, short contexts and other devices.
 """
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import segmented
+from kernels import native, segmented
 from kernels.segmented import Keys, key_rows
 
 ATTENTION_NAME = "batcher_paged"
@@ -45,14 +47,17 @@ class PrefillSpan:
     ctx_start: int
     context_blocks: torch.Tensor | None
     context_runs: Keys | None = None  # the cache rows of the `ctx_start` keys before the chunk (fused path)
+    native: bool = False  # read by `kernels.native.amx_prefill` (the cpu backend on AMX), `context_blocks` set
 
     @classmethod
     def of(cls, q_start: int, q_len: int, ctx_start: int, block_table: list[int], block_size: int,
-           device: torch.device) -> PrefillSpan:
+           device: torch.device, native: bool = False) -> PrefillSpan:
         """The span of a chunk at cache positions `[ctx_start, ctx_start + q_len)` of a sequence's blocks."""
-        if ctx_start == 0:
+        if ctx_start == 0 and not native:
             return cls(q_start, q_len, 0, None)
         blocks = torch.tensor(block_table[: -(-(ctx_start + q_len) // block_size)], device=device)
+        if native:
+            return cls(q_start, q_len, ctx_start, blocks, native=True)
         runs = key_rows(block_table, ctx_start, block_size, device) if device.type == "cpu" else None
         return cls(q_start, q_len, ctx_start, blocks, runs)
 
@@ -70,10 +75,12 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [b, W] KV blocks, padded with block 0 (shared: [1, W])
     context_lens: torch.Tensor  # [b]
-    bias: torch.Tensor  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding (shared: see below)
+    bias: torch.Tensor | None  # [b, W * block_size] 0 for the keys a decode sees, -inf for padding (shared: see
+    # below); None for `native`, built where a sliding window takes the group to the padded path
     shared_blocks: int = 0  # how many blocks of the single row all decodes share
     runs: list[Keys] | None = None  # each decode's keys as runs of cache rows: the fused path (`decode_runs`)
     prefix_runs: Keys | None = None  # shared: the prefix's keys as runs of cache rows (`shared_prefix_runs`)
+    native: bool = False  # read by `kernels.native`'s bf16 decode kernel (the cpu backend)
 
 
 @dataclass
@@ -254,6 +261,8 @@ def current_metadata() -> AttentionMetadata:
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, block_size: int,
                   scaling: float, sliding_window: int | None) -> torch.Tensor:
+    if g.native and sliding_window is None:
+        return native.paged_decode(q, k_cache, v_cache, g.block_tables, g.context_lens, block_size, scaling)
     if g.runs is not None and sliding_window is None:
         return segmented.decode(q, k_cache, v_cache, g.runs, scaling)
     if g.prefix_runs is not None and sliding_window is None:
@@ -265,7 +274,8 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if g.shared_blocks:
         return shared_prefix_decode_attention(q, k_cache, v_cache, g.block_tables, g.bias, block_size, scaling,
                                               g.shared_blocks, g.context_lens, sliding_window)
-    return paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.bias, block_size, scaling, g.context_lens,
+    bias = length_bias(g.context_lens, g.block_tables.shape[1] * block_size, q.dtype) if g.bias is None else g.bias
+    return paged_decode_attention(q, k_cache, v_cache, g.block_tables, bias, block_size, scaling, g.context_lens,
                                   sliding_window)
 
 
@@ -286,6 +296,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetad
                                              sliding_window)
     for span in md.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
+        if span.native and sliding_window is None:
+            out[rows] = native.amx_prefill(q[rows], k_cache, v_cache, span.context_blocks, span.ctx_start,
+                                           md.block_size, scaling)
+            continue
         if span.context_runs is not None and sliding_window is None:
             out[rows] = segmented.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.context_runs, scaling)
             continue

@@ -160,14 +160,19 @@ def test_padding_rows_of_a_compiled_step_get_zeros_and_write_nothing():
 
 def test_backend_resolution(monkeypatch):
     cpu = torch.device("cpu")
-    assert resolve_attention_backend("auto", cpu) == "torch"
-    assert resolve_attention_backend("torch", cpu) == "torch"
+    no_cpu_kernel = "they run in bfloat16, not float32"
+    assert resolve_attention_backend("auto", cpu, no_cpu_kernel) == "torch"
+    assert resolve_attention_backend("auto", cpu, None) == "cpu"
+    assert resolve_attention_backend("torch", cpu, None) == "torch"
+    assert resolve_attention_backend("cpu", cpu, None) == "cpu"
+    with pytest.raises(AttentionBackendError, match="cpu cannot run here: they run in bfloat16"):
+        resolve_attention_backend("cpu", cpu, no_cpu_kernel)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_attention_backend("triton", cpu) == "triton"
+    assert resolve_attention_backend("triton", cpu, None) == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(AttentionBackendError, match="TRITON_INTERPRET=1"):
-        resolve_attention_backend("triton", cpu)
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
+        resolve_attention_backend("triton", cpu, None)
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton, cpu"):
         EngineConfig(attention_backend="flash")
 
 

@@ -1,9 +1,11 @@
-"""Which attention backend a worker runs (`--attention-backend auto|torch|triton`), and why not another.
+"""Which attention backend a worker runs (`--attention-backend auto|torch|triton|cpu`), and why not another.
 
 `torch` (kernels.attention) runs anywhere and is the reference. `triton` (kernels.triton_attention) is
 one launch per layer per step, for CUDA; on a CPU it runs only under the Triton interpreter, which is how
-the tests check it. `auto` takes triton on CUDA and torch elsewhere. FlashInfer or flash-attn could be
-further backends through their paged-KV APIs; none is offered yet.
+the tests check it. `cpu` is `torch` with decodes on the bf16 AVX-512 kernel of `kernels.native` (one call
+per layer reads every decode's keys from the paged cache). `auto` takes triton on CUDA, cpu where its kernel
+serves the model (a bf16 model on a CPU with AVX-512 BF16), and torch elsewhere. FlashInfer or flash-attn
+could be further backends through their paged-KV APIs; none is offered yet.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 
 import torch
 
-from batcher.config import ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON
+from batcher.config import ATTENTION_AUTO, ATTENTION_CPU, ATTENTION_TORCH, ATTENTION_TRITON
 from batcher.errors import BatcherError
 
 log = logging.getLogger(__name__)
@@ -31,15 +33,26 @@ def interpreting() -> bool:
     return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend to run: `name`, or for `auto` triton on a CUDA device that has it and torch elsewhere.
-    An explicit `triton` that cannot run here is refused with the reason."""
+def resolve_attention_backend(name: str, device: torch.device, why_not_cpu: str | None) -> str:
+    """The backend to run: `name`, or for `auto` triton on a CUDA device that has it, cpu where its kernel
+    serves the model (`why_not_cpu` is None: `kernels.native.why_not`), and torch elsewhere. An explicit
+    backend that cannot run here is refused with the reason."""
     triton_installed = importlib.util.find_spec("triton") is not None
     if name == ATTENTION_AUTO:
-        chosen = ATTENTION_TRITON if device.type == "cuda" and triton_installed else ATTENTION_TORCH
-        log.info("attention backend auto: %s on %s%s", chosen, device.type,
-                 " (triton is not installed)" if device.type == "cuda" and not triton_installed else "")
+        if device.type == "cuda" and triton_installed:
+            chosen, note = ATTENTION_TRITON, ""
+        elif why_not_cpu is None:
+            chosen, note = ATTENTION_CPU, ""
+        else:
+            chosen = ATTENTION_TORCH
+            note = " (triton is not installed)" if device.type == "cuda" else f" (no bf16 CPU kernel: {why_not_cpu})"
+        log.info("attention backend auto: %s on %s%s", chosen, device.type, note)
         return chosen
+    if name == ATTENTION_CPU:
+        if why_not_cpu is not None:
+            raise AttentionBackendError(f"--attention-backend cpu cannot run here: {why_not_cpu}; "
+                                        "use --attention-backend torch")
+        return ATTENTION_CPU
     if name != ATTENTION_TRITON:
         return name
     if not triton_installed:

@@ -7,13 +7,20 @@ at one row). Packing each weight once (`torch.ops.mkldnn._reorder_linear_weight`
 (`/work/shared/notes/cpu-step-overhead.md`, section 4).
 
 The plain weight stays (tied embeddings and state dicts read it), so packing costs one more copy of the
-linear weights. A packed weight is an opaque oneDNN tensor that torch.compile cannot trace into: inside a
-compiled forward each call goes through the op `batcher::packed_linear`, which the compiler leaves alone.
+linear weights. A decode step's few rows take `kernels.native`'s kernels instead where they run, since oneDNN
+reads a weight at only about 9 GB/s at those sizes: one row (a lone decode) `small_linear` on the plain weight
+(AVX-512 BF16; up to 4 rows where the CPU has no AMX), and 2 to 32 rows `amx_linear` on a third copy of the
+weight laid out in AMX's tiles. Both copies are laid end to end in the order the forward reads the weights.
+
+A packed weight is an opaque oneDNN tensor that torch.compile cannot trace into: inside a compiled forward
+each call goes through the op `batcher::packed_linear`, which the compiler leaves alone.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels import native
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -22,39 +29,73 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _multiply(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor, tile_weight: torch.Tensor | None,
+              small_rows: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + b` by the fastest kernel for x's rows (see the module's docstring)."""
+    rows = x.numel() // weight.shape[1]
+    if tile_weight is not None and 1 < rows <= native.AMX_MAX_ROWS:  # one row: small_linear is faster
+        return native.amx_linear(x, tile_weight, bias, weight.shape[0])
+    if small_rows and rows <= native.LINEAR_MAX_ROWS:
+        return native.small_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 @torch.library.custom_op("batcher::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
-    """`x @ W.T + b` with W packed by oneDNN; `out_features` gives the compiler the output's shape."""
-    return _linear(x, packed_weight, bias)
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor,
+                  tile_weight: torch.Tensor | None, small_rows: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    """`_multiply` as an op the compiler leaves alone (it cannot trace a packed weight)."""
+    return _multiply(x, weight, packed_weight, tile_weight, small_rows, bias)
 
 
 @packed_linear.register_fake
-def _(x, packed_weight, bias, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
+def _(x, weight, packed_weight, tile_weight, small_rows, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class PackedLinear(torch.nn.Linear):
-    """An `nn.Linear` that multiplies by its packed weight (`pack_linears` turns a Linear into one)."""
+    """An `nn.Linear` that multiplies by its packed weight (`pack_linears` turns a Linear into one), or, for
+    few rows, on `kernels.native`'s kernels: by `tile_weight` (AMX) or by its plain weight (`small_rows`)."""
 
     packed_weight: torch.Tensor
+    tile_weight: torch.Tensor | None
+    small_rows: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = (self.weight, self.packed_weight, self.tile_weight, self.small_rows, self.bias)
         if torch.compiler.is_compiling():
-            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        return _linear(x, self.packed_weight, self.bias)  # the op's own dispatch costs for nothing here
+            return packed_linear(x, *weights)
+        return _multiply(x, *weights)  # the op's own dispatch costs for nothing here
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Pack the weight of every `nn.Linear` in `model`, in place; returns how many were packed."""
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-            module.__class__ = PackedLinear
-            count += 1
-    return count
+def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
+    """Pack the weight of every `nn.Linear` in `model`, in place; returns how many were packed. With
+    `few_rows_native` (where `kernels.native` loads), inputs of few rows take its kernels."""
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    tiles = few_rows_native and native.has_amx()
+    for module in linears:
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        module.tile_weight = native.amx_pack(module.weight.detach()) if tiles else None
+        module.small_rows = few_rows_native
+        module.__class__ = PackedLinear
+    if few_rows_native:
+        _lay_end_to_end([module.weight for module in linears], lambda m, view: setattr(m.weight, "data", view),
+                        linears)
+    if tiles:
+        _lay_end_to_end([module.tile_weight for module in linears], lambda m, view: setattr(m, "tile_weight", view),
+                        linears)
+    return len(linears)
+
+
+def _lay_end_to_end(weights: list[torch.Tensor], place, modules: list[torch.nn.Module]) -> None:
+    """Move `weights` (one per module) into one buffer, in this order, by `place(module, view)`. A decode step
+    then streams one run of memory: a kernel's prefetch at the end of a weight already fetches the next
+    (1.16x on SmolLM2's 211 weights at one row). A weight that two modules share (a tied LM head) moves once,
+    and stays shared."""
+    unique = list({id(w): w for w in weights}.values())
+    buffer = torch.empty(sum(w.numel() for w in unique), dtype=unique[0].dtype, device=unique[0].device)
+    views, offset = {}, 0
+    for weight in unique:
+        views[id(weight)] = buffer[offset : offset + weight.numel()].view_as(weight).copy_(weight.detach())
+        offset += weight.numel()
+    for module, weight in zip(modules, weights):
+        place(module, views[id(weight)])

@@ -4,12 +4,15 @@ The runner only executes: it gets `{sequence: n_tokens}` from the scheduler, pac
 sequence's new tokens into one row with explicit positions and cache slots, and returns the
 logits of the sequences that sample this step.
 
-Attention runs on the torch backend (decode groups and prefill spans planned here) or the Triton one
-(flat arrays, `kernels.triton_attention`), as `EngineConfig.attention_backend` resolves.
+Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
+same, with every decode but those sharing a cached prefix in one group for `kernels.native`'s kernel, and
+prompt chunks on its AMX kernel where the CPU has AMX), or the Triton one (flat arrays,
+`kernels.triton_attention`), as `EngineConfig.attention_backend` resolves.
 
 How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
-(`workers.packed_linear`); with `EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a
-compiled forward (`workers.compiled_forward`), padded to a few token-count buckets.
+(`workers.packed_linear`), and a decode step's few rows on `kernels.native`'s kernels where they run; with
+`EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a compiled forward
+(`workers.compiled_forward`), padded to a few token-count buckets.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import logging
 
 import torch
 
-from batcher.config import ATTENTION_TRITON, EngineConfig
+from batcher.config import ATTENTION_CPU, ATTENTION_TRITON, EngineConfig
 from batcher.scheduler import StepPlan
 from batcher.sequence import Sequence
+from kernels import native
 from kernels.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, decode_runs, length_bias,
                                shared_prefix_runs, step_metadata)
 from kernels.triton_attention import FlatAttentionMetadata
@@ -66,12 +70,19 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
-        self.flat_attention = resolve_attention_backend(config.attention_backend, self.device) == ATTENTION_TRITON
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
-        if can_pack(self.device, self.dtype):
-            log.info("packed %d linear weights for oneDNN", pack_linears(self.model))
         layers, kv_heads, head_dim = kv_shape(self.model)
-        self.heads_per_kv_head = self.model.config.get_text_config().num_attention_heads // kv_heads
+        heads = self.model.config.get_text_config().num_attention_heads
+        self.heads_per_kv_head = heads // kv_heads
+        backend = resolve_attention_backend(config.attention_backend, self.device,
+                                            native.why_not(self.device, self.dtype, heads, kv_heads, head_dim))
+        self.flat_attention = backend == ATTENTION_TRITON
+        self.native_decode = backend == ATTENTION_CPU
+        self.native_prefill = self.native_decode and native.has_amx() and head_dim in native.AMX_PREFILL_HEAD_DIMS
+        if can_pack(self.device, self.dtype):
+            few_rows_native = native.load() is not None
+            log.info("packed %d linear weights for oneDNN%s", pack_linears(self.model, few_rows_native),
+                     "; decode rows on the bf16 CPU kernels" if few_rows_native else "")
         self.num_blocks = num_kv_blocks(self.model, config)
         slots = self.num_blocks * config.block_size
         self.kv_caches = [
@@ -92,7 +103,12 @@ class ModelRunner:
         """Order the decodes into attention groups, built once per step. Decodes that start from the same
         cached blocks (prefix caching) are grouped to read those blocks once, as long as their own keys
         are no more than the shared ones (each decode's query also meets the others' own keys, masked);
-        the others are grouped by context length alone."""
+        the others are grouped by context length alone. On the cpu backend all decodes form one group: its
+        kernel reads each decode's blocks alone, in this order, so decodes that start from the same blocks
+        come one after the other and the second finds their prefix in the CPU's cache."""
+        if self.native_decode:
+            decodes = sorted(decodes, key=lambda seq: seq.block_table[0])
+            return decodes, [self._group(decodes, 0)] if decodes else []
         by_first_block: dict[int, list[Sequence]] = {}
         for seq in decodes:
             by_first_block.setdefault(seq.block_table[0], []).append(seq)
@@ -129,10 +145,13 @@ class ModelRunner:
         return parts
 
     def _group(self, decodes: list[Sequence], start: int) -> DecodeGroup:
-        """Decodes at rows `start...`, each over its own blocks, padded to the longest."""
+        """Decodes at rows `start...`, each over its own blocks, padded to the longest (the cpu backend's
+        kernel reads each decode's blocks alone: no padding is read, so no mask is built)."""
         width = max(len(s.block_table) for s in decodes)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
         lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+        if self.native_decode:
+            return DecodeGroup(start, start + len(decodes), tables, lens, bias=None, native=True)
         bias = length_bias(lens, width * self.block_size, self.dtype)
         runs = decode_runs([s.block_table for s in decodes], lens.tolist(), self.block_size, self.device)
         return DecodeGroup(start, start + len(decodes), tables.to(self.device), lens.to(self.device),
@@ -178,7 +197,8 @@ class ModelRunner:
             slot_mapping.extend(self._slots(seq, start, end))
             rows.append((seq.block_table, start, n))
             if n > 1 and not self.flat_attention:
-                spans.append(PrefillSpan.of(row, n, start, seq.block_table, self.block_size, self.device))
+                spans.append(PrefillSpan.of(row, n, start, seq.block_table, self.block_size, self.device,
+                                            self.native_prefill))
             if plan.samples(seq):
                 sampling.append(seq)
                 last_rows.append(row + n - 1)

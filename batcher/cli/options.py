@@ -55,7 +55,8 @@ def engine_options(func):
                      "start-up matmul race shows it faster than fp32."),
         click.option("--attention-backend", type=click.Choice(c.ATTENTION_BACKENDS),
                      default=c.DEFAULT_ATTENTION_BACKEND, envvar="BATCHER_ATTENTION_BACKEND", show_default=True,
-                     help="auto: triton on CUDA, torch (the reference) on a CPU; triton runs on a CPU only under "
+                     help="auto: triton on CUDA; cpu (bf16 AVX-512 decode kernels) for a bf16 model on a CPU that "
+                     "has AVX-512 BF16; torch (the reference) elsewhere. triton runs on a CPU only under "
                      "TRITON_INTERPRET=1 (for tests)."),
         click.option("--device", default=c.DEFAULT_DEVICE, envvar="BATCHER_DEVICE", show_default=True,
                      help="cpu, cuda, cuda:1 ... or auto."),

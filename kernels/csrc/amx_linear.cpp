@@ -1,0 +1,164 @@
+// bf16 x @ W.T + b for up to 32 rows of x on Intel AMX (kernels/native.py builds and loads this file).
+//
+// A decode step's linears multiply a few rows by every weight once: the work is reading the weights.
+// oneDNN's AMX kernels read them at about 9 GB/s here at 1 to 32 rows; this kernel streams a copy of
+// each weight laid out in AMX's tile order (`amx_pack`, once at load) from start to end, and runs one
+// tile product per 1 KB of weights, which costs far less than reading them.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int TILE_ROWS = 16;      // rows of x (and of the result) per tile
+constexpr int TILE_K = 32;         // bf16 values of K per tile row
+constexpr int TILE_N = 16;         // output columns per tile
+constexpr int MAX_ROWS = 2 * TILE_ROWS;
+constexpr int PREFETCH_BYTES = 4096;
+constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
+constexpr int XFEATURE_XTILEDATA = 18;
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+}  // namespace
+
+// Linux lends a process AMX's tile state only once asked; oneDNN asks too, and asking again is harmless.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return permitted;
+}
+
+namespace {
+
+// Tiles 0-3: results (rows 0-15 and 16-31, of two blocks of 16 columns); 4, 5: x (rows 0-15, 16-31);
+// 6, 7: the two blocks' weight tiles. Two blocks at a time keep four independent tile products (and two
+// streams of weights) in flight.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = TILE_ROWS;
+    config.colsb[t] = t < 4 ? TILE_N * 4 : TILE_K * 2;
+  }
+  _tile_loadconfig(&config);
+}
+
+int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+}  // namespace
+
+// weight [N, K] bf16 -> [N/16, K/32, 16, 32] bf16 (both padded with zeros): for each block of 16 output
+// columns and 32 of K, the tile AMX reads, K-pairs by rows (row i holds (W[n][2i], W[n][2i+1]) for 16 n).
+torch::Tensor amx_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "amx_pack takes a 2-D bf16 weight");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t blocks_n = round_up(N, TILE_N) / TILE_N, blocks_k = round_up(K, TILE_K) / TILE_K;
+  auto packed = torch::zeros({blocks_n, blocks_k, TILE_K / 2, TILE_N * 2}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, blocks_n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; nb++)
+      for (int64_t kb = 0; kb < blocks_k; kb++) {
+        uint16_t* tile = dst + (nb * blocks_k + kb) * TILE_K * TILE_N;
+        for (int n = 0; n < TILE_N && nb * TILE_N + n < N; n++)
+          for (int k = 0; k < TILE_K && kb * TILE_K + k < K; k++)
+            tile[(k / 2) * TILE_N * 2 + n * 2 + k % 2] = src[(nb * TILE_N + n) * K + kb * TILE_K + k];
+      }
+  });
+  return packed;
+}
+
+// x [..., K] bf16 with at most 32 rows; packed from amx_pack of a weight [N, K]; bias [N] or None.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(amx_permitted(), "the OS refused this process AMX's tile state");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "bf16 tensors only");
+  const int64_t K = x.size(-1), blocks_k = packed.size(1), k_padded = blocks_k * TILE_K;
+  TORCH_CHECK(round_up(K, TILE_K) == k_padded && packed.size(0) * TILE_N >= N, "the packed weight does not fit x");
+  const auto x2 = x.reshape({-1, K});
+  const int64_t rows = x2.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "amx_linear takes 1 to ", MAX_ROWS, " rows");
+  // x, zero-padded to whole tiles of rows and of K.
+  const int row_tiles = rows > TILE_ROWS ? 2 : 1;
+  auto x_tiles = torch::zeros({row_tiles * TILE_ROWS, k_padded}, x.options());
+  x_tiles.narrow(0, 0, rows).narrow(1, 0, K).copy_(x2);
+  torch::Tensor bias_c;
+  const uint16_t* b = nullptr;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    b = reinterpret_cast<const uint16_t*>(bias_c.data_ptr());
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const auto* xt = reinterpret_cast<const uint16_t*>(x_tiles.data_ptr());
+  const int64_t blocks_n = packed.size(0), pairs = (blocks_n + 1) / 2;
+  const int64_t tile_elems = TILE_K * TILE_N, block_elems = blocks_k * tile_elems;
+  at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float out[2][MAX_ROWS][TILE_N];
+    for (int64_t pair = begin; pair < end; pair++) {
+      const int64_t nb = 2 * pair;
+      // A lone last block runs as its own pair: its twin's products are computed on it again, and dropped.
+      const uint16_t* w0 = wp + nb * block_elems;
+      const uint16_t* w1 = nb + 1 < blocks_n ? w0 + block_elems : w0;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < blocks_k; kb++) {
+        const uint16_t* t0 = w0 + kb * tile_elems;
+        const uint16_t* t1 = w1 + kb * tile_elems;
+        for (int line = 0; line < tile_elems * 2; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(t0) + PREFETCH_BYTES + line, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(t1) + PREFETCH_BYTES + line, _MM_HINT_T0);
+        }
+        _tile_loadd(6, t0, TILE_N * 4);
+        _tile_loadd(7, t1, TILE_N * 4);
+        _tile_loadd(4, xt + kb * TILE_K, k_padded * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (row_tiles == 2) {
+          _tile_loadd(5, xt + TILE_ROWS * k_padded + kb * TILE_K, k_padded * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, out[0][0], TILE_N * 4);
+      _tile_stored(1, out[1][0], TILE_N * 4);
+      if (row_tiles == 2) {
+        _tile_stored(2, out[0][TILE_ROWS], TILE_N * 4);
+        _tile_stored(3, out[1][TILE_ROWS], TILE_N * 4);
+      }
+      for (int half = 0; half < 2 && nb + half < blocks_n; half++) {
+        const int64_t first = (nb + half) * TILE_N;
+        const int columns = static_cast<int>(std::min<int64_t>(TILE_N, N - first));
+        if (columns <= 0) break;
+        const __mmask16 valid = static_cast<__mmask16>((1u << columns) - 1);
+        __m512 bias_n = _mm512_setzero_ps();
+        if (b) {
+          const __m256i raw = _mm256_maskz_loadu_epi16(valid, b + first);
+          bias_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        }
+        for (int64_t m = 0; m < rows; m++) {
+          const __m256bh result = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(out[half][m]), bias_n));
+          _mm256_mask_storeu_epi16(yp + m * N + first, valid, (__m256i)result);
+        }
+      }
+    }
+    _tile_release();  // oneDNN configures its own tiles again before it uses them
+  });
+  return y;
+}

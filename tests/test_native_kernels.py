@@ -1,0 +1,231 @@
+"""The bf16 CPU kernels (`kernels.native`) against torch's reference, and the engine on the cpu backend.
+
+They run only on a CPU with AVX-512 BF16; elsewhere these tests skip, and a CPU that has it but fails to
+build them fails here.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.attention import decode_attention, gather_blocks, prefill_attention
+from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
+from tests.tiny_models import build_tiny_model
+from workers.packed_linear import pack_linears
+
+pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.CPU_FLAGS),
+                                reason="this CPU has no AVX-512 BF16")
+BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
+
+
+def test_the_kernels_build_on_a_cpu_that_has_the_instructions():
+    assert native.load() is not None, native.unavailable_reason()
+
+
+def scattered_cache(lengths, block_size, kv_heads, head_dim, seed=0):
+    """A bf16 cache and block tables whose blocks are shuffled, so no sequence's keys are contiguous."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in lengths]
+    blocks = torch.randperm(sum(needed) + 3, generator=generator)
+    width = max(needed)
+    tables, start = [], 0
+    for count in needed:
+        own = blocks[start : start + count].tolist()
+        tables.append(own + [0] * (width - count))  # padding past a sequence's end: never read
+        start += count
+    shape = ((sum(needed) + 3) * block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    return k_cache, v_cache, torch.tensor(tables)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4), (16, 2)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_paged_decode_matches_the_reference(head_dim, heads, kv_heads, block_size):
+    lengths = [1, 15, 16, 17, 33, 300]  # within, at and past a tile of 16 keys, and many tiles
+    k_cache, v_cache, tables = scattered_cache(lengths, block_size, kv_heads, head_dim)
+    query = torch.randn(len(lengths), heads, head_dim).to(torch.bfloat16)
+    lens = torch.tensor(lengths)
+    got = native.paged_decode(query, k_cache, v_cache, tables, lens, block_size, head_dim**-0.5)
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(len(lengths), -1)
+    want = decode_attention(query.float(), k_cache.float(), v_cache.float(), slots, lens, head_dim**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+
+
+def test_paged_decode_reads_a_query_laid_out_as_the_model_gives_it():
+    """The model hands attention a transposed view (`[T, H, D]` of `[1, H, T, D]`); the kernel must not
+    read it as if it were contiguous."""
+    k_cache, v_cache, tables = scattered_cache([40, 7], 16, 2, 64)
+    query = torch.randn(1, 6, 2, 64).to(torch.bfloat16)[0].transpose(0, 1)  # [2, 6, 64], not contiguous
+    lens = torch.tensor([40, 7])
+    got = native.paged_decode(query, k_cache, v_cache, tables, lens, 16, 0.125)
+    want = native.paged_decode(query.contiguous(), k_cache, v_cache, tables, lens, 16, 0.125)
+    assert torch.equal(got, want)
+
+
+def test_paged_decode_refuses_what_it_does_not_support():
+    k_cache, v_cache, tables = scattered_cache([5], 16, 1, 80)
+    with pytest.raises(RuntimeError, match="head_dim 64 and 128, not 80"):
+        native.paged_decode(torch.zeros(1, 1, 80, dtype=torch.bfloat16), k_cache, v_cache, tables, torch.tensor([5]),
+                            16, 0.1)
+    with pytest.raises(RuntimeError, match="bf16 CPU tensor"):
+        native.paged_decode(torch.zeros(1, 1, 80), k_cache, v_cache, tables, torch.tensor([5]), 16, 0.1)
+    assert native.why_not(torch.device("cpu"), torch.bfloat16, 10, 2, 80) == "head_dim 80 is not one of (64, 128)"
+    assert "not float32" in native.why_not(torch.device("cpu"), torch.float32, 9, 3, 64)
+    assert native.why_not(torch.device("cpu"), torch.bfloat16, 9, 3, 64) is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("features", [576, 50, 1536])  # 50: a tail shorter than one vector
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_small_linear_matches_the_reference(rows, features, with_bias):
+    x = torch.randn(1, rows, features).to(torch.bfloat16)
+    weight = (torch.randn(97, features) / features**0.5).to(torch.bfloat16)  # odd: a last row on its own
+    bias = torch.randn(97).to(torch.bfloat16) if with_bias else None
+    got = native.small_linear(x, weight, bias)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.shape == (1, rows, 97) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+
+
+def test_small_linear_takes_at_most_its_rows():
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        native.small_linear(torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), None)
+
+
+needs_amx = pytest.mark.skipif(not all(flag in native.cpu_flags() for flag in native.AMX_FLAGS),
+                               reason="this CPU has no AMX")
+
+
+def prefill_reference(query, k_cache, v_cache, table, ctx_start, block_size):
+    length = ctx_start + query.shape[0]
+    keys = gather_blocks(k_cache, table, block_size)[:length].float()
+    values = gather_blocks(v_cache, table, block_size)[:length].float()
+    return prefill_attention(query.float(), keys, values, ctx_start, query.shape[-1] ** -0.5)
+
+
+@needs_amx
+@pytest.mark.parametrize("ctx_start,n", [(0, 1), (0, 37), (5, 1), (20, 16), (31, 33), (300, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_amx_prefill_matches_the_reference(ctx_start, n, heads, kv_heads, head_dim, block_size):
+    """A chunk after any number of cached keys (none, part of a tile, many tiles), of any length."""
+    k_cache, v_cache, tables = scattered_cache([ctx_start + n], block_size, kv_heads, head_dim)
+    query = torch.randn(n, heads, head_dim).to(torch.bfloat16)
+    got = native.amx_prefill(query, k_cache, v_cache, tables[0], ctx_start, block_size, head_dim**-0.5)
+    assert got.shape == query.shape and got.dtype == torch.bfloat16
+    want = prefill_reference(query, k_cache, v_cache, tables[0], ctx_start, block_size)
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+
+
+@needs_amx
+def test_amx_prefill_refuses_what_it_does_not_support():
+    k_cache, v_cache, tables = scattered_cache([40], 16, 2, 64)
+    query = torch.randn(8, 4, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not cover the chunk"):
+        native.amx_prefill(query, k_cache, v_cache, tables[0][:1], 32, 16, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128, not 32"):
+        native.amx_prefill(query[..., :32], k_cache, v_cache, tables[0], 0, 16, 0.125)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_packed_model_streams_one_buffer_and_keeps_its_tie(tiny_model_dir, monkeypatch, amx):
+    """The few rows of a decode run on AMX tiles where the CPU has AMX, else on the AVX-512 kernel over the
+    plain weights; either copy is laid end to end in call order, and the result is the plain model's."""
+    from transformers import AutoModelForCausalLM
+
+    if amx and not all(flag in native.cpu_flags() for flag in native.AMX_FLAGS):
+        pytest.skip("this CPU has no AMX")
+    monkeypatch.setattr(native, "has_amx", lambda: amx)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.bfloat16).eval()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        plain = model(ids).logits
+        pack_linears(model, few_rows_native=True)
+        packed = model(ids).logits  # 4 rows: the native kernels' path
+        one_row = model(ids[:, :1]).logits  # small_linear's path, with AMX or without
+    attention = model.model.layers[0].self_attn
+    for copy in ["weight", "tile_weight"] if amx else ["weight"]:
+        q, k = getattr(attention.q_proj, copy), getattr(attention.k_proj, copy)
+        assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()  # end to end, in call order
+    assert (attention.q_proj.tile_weight is not None) == amx and attention.q_proj.small_rows
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(packed.float(), plain.float(), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(one_row.float(), plain[:, :1].float(), atol=0.1, rtol=0.05)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("features", [576, 50])
+def test_amx_linear_matches_the_reference(rows, features):
+    x = torch.randn(1, rows, features).to(torch.bfloat16)
+    weight = (torch.randn(97, features) / features**0.5).to(torch.bfloat16)  # 97: a lone last block of 16
+    bias = torch.randn(97).to(torch.bfloat16)
+    got = native.amx_linear(x, native.amx_pack(weight), bias, 97)
+    want = F.linear(x.float(), weight.float(), bias.float())
+    assert got.shape == (1, rows, 97)
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+    with pytest.raises(RuntimeError, match="1 to 32 rows"):
+        native.amx_linear(torch.zeros(33, features, dtype=torch.bfloat16), native.amx_pack(weight), None, 97)
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_models(tmp_path_factory):
+    """Tiny models whose heads the decode kernel takes: head_dim 64, three query heads per KV head (SmolLM2's
+    shape), and Mistral's sliding window, which the kernel leaves to the reference."""
+    root = tmp_path_factory.mktemp("head-dim-64")
+    shape = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    return {"llama": build_tiny_model("llama", root / "llama", **shape),
+            "mistral": build_tiny_model("mistral", root / "mistral", **shape)}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_cpu_backend_serves_decodes_and_prompt_chunks(head_dim_64_models, family, monkeypatch):
+    """In a real engine run (chunked prefill, blocks of 4, several sequences), each call of the decode kernel
+    gets the step's decodes, each call of the prefill kernel a chunk, and both return what the reference
+    computes from the same cache; a bf16 run cannot be held to token equality (near ties flip), so the
+    kernels' every answer is checked instead."""
+    calls = []
+    kernel = native.paged_decode
+
+    def checked(query, k_cache, v_cache, tables, lens, block_size, scaling):
+        got = kernel(query, k_cache, v_cache, tables, lens, block_size, scaling)
+        slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(len(lens), -1)
+        want = decode_attention(query.float(), k_cache.float(), v_cache.float(), slots, lens, scaling)
+        torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+        calls.append(len(lens))
+        return got
+
+    def checked_prefill(query, k_cache, v_cache, table, ctx_start, block_size, scaling):
+        got = prefill(query, k_cache, v_cache, table, ctx_start, block_size, scaling)
+        torch.testing.assert_close(got.float(), prefill_reference(query, k_cache, v_cache, table, ctx_start,
+                                                                  block_size), **BF16_TOLERANCE)
+        chunks.append(ctx_start)
+        return got
+
+    chunks = []
+    prefill = native.amx_prefill
+    monkeypatch.setattr(native, "paged_decode", checked)
+    monkeypatch.setattr(native, "amx_prefill", checked_prefill)
+    engine = engine_for(head_dim_64_models[family], dtype="bfloat16", attention_backend="cpu", block_size=4,
+                        max_num_seqs=4, max_num_batched_tokens=32)
+    prompts = random_prompts(6, seed=11, min_len=5, max_len=60)
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", greedy(prompt, 12))
+    finals = run_all(engine)
+    assert sorted(len(out.token_ids) for out in finals.values()) == [12] * 6
+    if family == "llama":
+        assert max(calls) == 4  # the four slots' decodes in one call per layer
+        assert not native.has_amx() or 0 in chunks and max(chunks) > 0  # first chunks and later ones
+    else:
+        assert not calls and not chunks  # a sliding window: the reference paths
+
+
+def test_auto_picks_the_cpu_backend_for_bf16_only(head_dim_64_models):
+    assert engine_for(head_dim_64_models["llama"], dtype="bfloat16").runner.native_decode
+    assert not engine_for(head_dim_64_models["llama"], dtype="float32").runner.native_decode
