@@ -18,6 +18,7 @@ no compiler, no AVX-512 BF16, a build error. The callers then keep torch's kerne
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp")]
 EXTENSION_NAME = "batcher_cpu_kernels"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # what the kernels' instructions need
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
@@ -59,9 +61,17 @@ def _build():
     from torch.utils.cpp_extension import load
 
     try:
-        return load(EXTENSION_NAME, [str(source) for source in SOURCES], extra_cflags=COMPILE_FLAGS, verbose=False)
+        return load(EXTENSION_NAME, [str(source) for source in SOURCES], extra_cflags=[*COMPILE_FLAGS, _source_digest()],
+                    verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: torch's kernels serve instead
         raise Unavailable(f"building kernels/csrc failed: {error}") from error
+
+
+def _source_digest() -> str:
+    """A flag naming the sources' contents, headers included: torch rebuilds when its flags change, but it
+    hashes only the .cpp files it is given."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])))
+    return f"-DBATCHER_KERNELS_SOURCE={digest.hexdigest()[:16]}"
 
 
 @functools.cache

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int TILE_ROWS = 16;      // rows of x (and of the result) per tile
@@ -23,14 +25,6 @@ constexpr int PREFETCH_BYTES = 4096;
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr int XFEATURE_XTILEDATA = 18;
 
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 }  // namespace
 
 // Linux lends a process AMX's tile state only once asked; oneDNN asks too, and asking again is harmless.
@@ -40,18 +34,6 @@ bool amx_permitted() {
 }
 
 namespace {
-
-// Tiles 0-3: results (rows 0-15 and 16-31, of two blocks of 16 columns); 4, 5: x (rows 0-15, 16-31);
-// 6, 7: the two blocks' weight tiles. Two blocks at a time keep four independent tile products (and two
-// streams of weights) in flight.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; t++) {
-    config.rows[t] = TILE_ROWS;
-    config.colsb[t] = t < 4 ? TILE_N * 4 : TILE_K * 2;
-  }
-  _tile_loadconfig(&config);
-}
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -107,7 +89,10 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const int64_t blocks_n = packed.size(0), pairs = (blocks_n + 1) / 2;
   const int64_t tile_elems = TILE_K * TILE_N, block_elems = blocks_k * tile_elems;
   at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    // Tiles 0-3: results (rows 0-15 and 16-31, of two blocks of 16 columns); 4, 5: x (rows 0-15, 16-31);
+    // 6, 7: the two blocks' weight tiles. Two blocks at a time keep four independent tile products (and two
+    // streams of weights) in flight.
+    batcher::configure_tiles();
     alignas(64) float out[2][MAX_ROWS][TILE_N];
     for (int64_t pair = begin; pair < end; pair++) {
       const int64_t nb = 2 * pair;
@@ -150,7 +135,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
         __m512 bias_n = _mm512_setzero_ps();
         if (b) {
           const __m256i raw = _mm256_maskz_loadu_epi16(valid, b + first);
-          bias_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+          bias_n = batcher::bf16_to_fp32(raw);
         }
         for (int64_t m = 0; m < rows; m++) {
           const __m256bh result = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(out[half][m]), bias_n));

@@ -17,74 +17,16 @@
 #include <cstdint>
 #include <vector>
 
-bool amx_permitted();  // amx_linear.cpp
+#include "simd.h"
 
 namespace {
+
+using batcher::exp_ps;
+using batcher::transpose16;
 
 constexpr int ROWS = 16;   // query positions per tile
 constexpr int KEYS = 32;   // keys per step: one tile row of bf16 pairs
 constexpr int PAIRS = 16;  // dimension (or key) pairs per tile of 64-byte rows
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 1, 2: scores (16 keys x 16 positions each, fp32), then with 0 and 5 the four 16-dimension blocks of
-// the weighted values; 0, 7: key tiles (16 keys x 32 dimensions) before that; 3: a query tile (16 dimension
-// pairs x 16 positions); 3, 6, 7: value tiles (16 key pairs x 16 dimensions), rotated so a load need not
-// wait for the product reading the last one; 4: the weights (16 positions x 32 keys, bf16).
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; t++) {
-    config.rows[t] = ROWS;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
-// in[i] holds 16 dwords of row i; out[j] gets dword j of rows 0..15 (a 16x16 transpose of 32-bit words).
-inline void transpose16(const __m512i in[16], __m512i out[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
-  }
-  for (int k = 0; k < 4; k++) {  // u[4k + c], 128-bit lane L: rows 4k..4k+3 of dword 4L + c
-    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-  for (int c = 0; c < 4; c++) {
-    const __m512i even = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    const __m512i even2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512i odd2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    out[c] = _mm512_shuffle_i32x4(even, even2, 0x88);
-    out[8 + c] = _mm512_shuffle_i32x4(even, even2, 0xDD);
-    out[4 + c] = _mm512_shuffle_i32x4(odd, odd2, 0x88);
-    out[12 + c] = _mm512_shuffle_i32x4(odd, odd2, 0xDD);
-  }
-}
-
-inline __m512 exp_ps(__m512 x) {  // e^x for x <= 0; as in cpu_kernels.cpp
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One KV head's keys and values, copied out of the paged cache into the tile products' layouts: keys as
 // rows [position][dimension], values [step][dimension block of 16][16 key pairs x 16 dimensions x 2]. Keys
@@ -155,7 +97,11 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
   const float sc = static_cast<float>(scale);
   const int64_t dim_blocks = dim / 32, key_tile = PAIRS * 32;  // dim_blocks <= 4: head_dim <= 128
   at::parallel_for(0, heads * q_tiles, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    // Tiles 1, 2: scores (16 keys x 16 positions each, fp32), then with 0 and 5 the four 16-dimension
+    // blocks of the weighted values; 0, 7: key tiles (16 keys x 32 dimensions) before that; 3: a query tile
+    // (16 dimension pairs x 16 positions); 3, 6, 7: value tiles (16 key pairs x 16 dimensions), rotated so a
+    // load need not wait for the product reading the last one; 4: the weights (16 positions x 32 keys, bf16).
+    batcher::configure_tiles();
     alignas(64) uint32_t queries_t[4][PAIRS][16];  // the tile's queries, transposed: dimension pairs x positions
     alignas(64) float scores[KEYS][ROWS];          // transposed: a row per key, a column per position
     alignas(64) uint16_t weights[ROWS][KEYS];
@@ -205,7 +151,7 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
           s[k] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_load_ps(scores[k]), _mm512_set1_ps(sc));
           step_max = _mm512_max_ps(step_max, s[k]);
         }
-        const __m512 m_new = _mm512_max_ps(m, step_max);  // key 0 is seen by every position: finite
+        const __m512 m_new = _mm512_max_ps(m, step_max);  // finite: every position saw key 0, in step 0
         const __m512 a = exp_ps(_mm512_sub_ps(m, m_new));  // 0 on the first step (m = -inf)
         __m512 sum = _mm512_setzero_ps();
         __m512i pairs[PAIRS], weight_rows[PAIRS];
