@@ -229,3 +229,31 @@ def test_cpu_backend_serves_decodes_and_prompt_chunks(head_dim_64_models, family
 def test_auto_picks_the_cpu_backend_for_bf16_only(head_dim_64_models):
     assert engine_for(head_dim_64_models["llama"], dtype="bfloat16").runner.native_decode
     assert not engine_for(head_dim_64_models["llama"], dtype="float32").runner.native_decode
+
+
+def test_an_engine_where_the_kernels_cannot_load_runs_torch_paths(head_dim_64_models, monkeypatch):
+    """No compiler, or a failed build: `auto` keeps torch's kernels, an explicit `cpu` is refused with the
+    reason, and nothing calls the extension."""
+    from workers.attention_backend import AttentionBackendError
+
+    monkeypatch.setattr(native, "_status", lambda: (None, "building kernels/csrc failed: no compiler"))
+    engine = engine_for(head_dim_64_models["llama"], dtype="bfloat16", max_num_seqs=2)
+    assert not engine.runner.native_decode
+    linear = engine.runner.model.model.layers[0].self_attn.q_proj
+    assert linear.tile_weight is None and not linear.small_rows
+    engine.add("r", greedy([5, 6, 7], 4))
+    assert len(run_all(engine)["r"].token_ids) == 4
+    with pytest.raises(AttentionBackendError, match="no compiler"):
+        engine_for(head_dim_64_models["llama"], dtype="bfloat16", attention_backend="cpu")
+
+
+def test_a_second_engine_on_a_packed_model_runs():
+    """`batcher demo --compare` builds a static engine on the continuous one's (packed) model."""
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    model = torch.nn.Sequential(layer)
+    assert pack_linears(model, few_rows_native=True) == 1
+    assert pack_linears(model, few_rows_native=True) == 0
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()),
+                               **BF16_TOLERANCE)
+

@@ -71,6 +71,8 @@ def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
     """Pack the weight of every `nn.Linear` in `model`, in place; returns how many were packed. With
     `few_rows_native` (where `kernels.native` loads), inputs of few rows take its kernels."""
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    if not linears:  # packed already (a second engine on the same model)
+        return 0
     tiles = few_rows_native and native.has_amx()
     for module in linears:
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
