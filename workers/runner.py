@@ -5,9 +5,9 @@ sequence's new tokens into one row with explicit positions and cache slots, and 
 logits of the sequences that sample this step.
 
 Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
-same, with every decode but those sharing a cached prefix in one group for `kernels.native`'s kernel, and
-prompt chunks on its AMX kernel where the CPU has AMX), or the Triton one (flat arrays,
-`kernels.triton_attention`), as `EngineConfig.attention_backend` resolves.
+same, with all decodes in one group for `kernels.native`'s kernel, and prompt chunks on its AMX kernel where
+the CPU has AMX), or the Triton one (flat arrays, `kernels.triton_attention`), as
+`EngineConfig.attention_backend` resolves.
 
 How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
 (`workers.packed_linear`), and a decode step's few rows on `kernels.native`'s kernels where they run; with
