@@ -247,6 +247,12 @@ def test_an_engine_where_the_kernels_cannot_load_runs_torch_paths(head_dim_64_mo
         engine_for(head_dim_64_models["llama"], dtype="bfloat16", attention_backend="cpu")
 
 
+def test_a_linear_of_no_rows_gives_no_rows():
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    pack_linears(torch.nn.Sequential(layer), few_rows_native=True)
+    assert layer(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+
+
 def test_a_second_engine_on_a_packed_model_runs():
     """`batcher demo --compare` builds a static engine on the continuous one's (packed) model."""
     layer = torch.nn.Linear(64, 32).to(torch.bfloat16)

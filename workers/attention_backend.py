@@ -3,8 +3,9 @@
 `torch` (kernels.attention) runs anywhere and is the reference. `triton` (kernels.triton_attention) is
 one launch per layer per step, for CUDA; on a CPU it runs only under the Triton interpreter, which is how
 the tests check it. `cpu` is `torch` with decodes on the bf16 AVX-512 kernel of `kernels.native` (one call
-per layer reads every decode's keys from the paged cache). `auto` takes triton on CUDA, cpu where its kernel
-serves the model (a bf16 model on a CPU with AVX-512 BF16), and torch elsewhere. FlashInfer or flash-attn
+per layer reads every decode's keys from the paged cache) and, where the CPU has AMX, prompt chunks on its AMX
+kernel. `auto` takes triton on CUDA, cpu where its kernels serve the model (a bf16 model on a CPU with AVX-512
+BF16), and torch elsewhere. FlashInfer or flash-attn
 could be further backends through their paged-KV APIs; none is offered yet.
 """
 

@@ -35,7 +35,7 @@ def _multiply(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor
     rows = x.numel() // weight.shape[1]
     if tile_weight is not None and 1 < rows <= native.AMX_MAX_ROWS:  # one row: small_linear is faster
         return native.amx_linear(x, tile_weight, bias, weight.shape[0])
-    if small_rows and rows <= native.LINEAR_MAX_ROWS:
+    if small_rows and 0 < rows <= native.LINEAR_MAX_ROWS:
         return native.small_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
