@@ -31,20 +31,21 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp")]
 EXTENSION_NAME = "batcher_cpu_kernels"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # what the kernels' instructions need
+AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides
+SUPPORTED_HEAD_DIMS = (64, 128)  # of every attention kernel
+# Limits the C++ shares (kernels/csrc/common.h), passed as compile flags so the two cannot disagree.
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
-AMX_FLAGS = ("amx_tile", "amx_bf16")  # what amx_linear needs besides
 AMX_MAX_ROWS = 32  # rows of x that amx_linear takes (two tiles of 16)
+MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
 COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-                 f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}"]
-SUPPORTED_HEAD_DIMS = (64, 128)
-AMX_PREFILL_HEAD_DIMS = (64, 128)
-MAX_QUERY_HEADS_PER_KV_HEAD = 8
-
+                 f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
+                 f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"]
 
 class Unavailable(Exception):
     """Why the kernels cannot run here."""
 
 
+@functools.cache
 def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -115,10 +116,14 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return load().paged_decode(query, k_cache, v_cache, block_tables, context_lens, block_size, scaling)
 
 
+def cpu_has_amx() -> bool:
+    return all(flag in cpu_flags() for flag in AMX_FLAGS)
+
+
 def has_amx() -> bool:
-    """Whether `amx_linear` runs here: the CPU has AMX, and the OS lends it to this process (the kernels
+    """Whether the AMX kernels run here: the CPU has AMX, and the OS lends it to this process (the kernels
     must have loaded)."""
-    return all(flag in cpu_flags() for flag in AMX_FLAGS) and load().amx_permitted()
+    return cpu_has_amx() and load().amx_permitted()
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:

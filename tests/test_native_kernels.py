@@ -96,8 +96,7 @@ def test_small_linear_takes_at_most_its_rows():
         native.small_linear(torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), None)
 
 
-needs_amx = pytest.mark.skipif(not all(flag in native.cpu_flags() for flag in native.AMX_FLAGS),
-                               reason="this CPU has no AMX")
+needs_amx = pytest.mark.skipif(not native.cpu_has_amx(), reason="this CPU has no AMX")
 
 
 def prefill_reference(query, k_cache, v_cache, table, ctx_start, block_size):
@@ -137,7 +136,7 @@ def test_packed_model_streams_one_buffer_and_keeps_its_tie(tiny_model_dir, monke
     plain weights; either copy is laid end to end in call order, and the result is the plain model's."""
     from transformers import AutoModelForCausalLM
 
-    if amx and not all(flag in native.cpu_flags() for flag in native.AMX_FLAGS):
+    if amx and not native.cpu_has_amx():
         pytest.skip("this CPU has no AMX")
     monkeypatch.setattr(native, "has_amx", lambda: amx)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.bfloat16).eval()

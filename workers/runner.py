@@ -78,7 +78,7 @@ class ModelRunner:
                                             native.why_not(self.device, self.dtype, heads, kv_heads, head_dim))
         self.flat_attention = backend == ATTENTION_TRITON
         self.native_decode = backend == ATTENTION_CPU
-        self.native_prefill = self.native_decode and native.has_amx() and head_dim in native.AMX_PREFILL_HEAD_DIMS
+        self.native_prefill = self.native_decode and native.has_amx()  # its head_dims are the decode kernel's
         if can_pack(self.device, self.dtype):
             few_rows_native = native.load() is not None
             log.info("packed %d linear weights for oneDNN%s", pack_linears(self.model, few_rows_native),

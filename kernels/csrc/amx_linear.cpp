@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "simd.h"
+#include "common.h"
 
 namespace {
 
@@ -21,6 +21,7 @@ constexpr int TILE_ROWS = 16;      // rows of x (and of the result) per tile
 constexpr int TILE_K = 32;         // bf16 values of K per tile row
 constexpr int TILE_N = 16;         // output columns per tile
 constexpr int MAX_ROWS = 2 * TILE_ROWS;
+static_assert(MAX_ROWS == batcher::kAmxMaxRows, "amx_linear takes two tiles of rows");
 constexpr int PREFETCH_BYTES = 4096;
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr int XFEATURE_XTILEDATA = 18;
@@ -42,13 +43,14 @@ int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 // weight [N, K] bf16 -> [N/16, K/32, 16, 32] bf16 (both padded with zeros): for each block of 16 output
 // columns and 32 of K, the tile AMX reads, K-pairs by rows (row i holds (W[n][2i], W[n][2i+1]) for 16 n).
 torch::Tensor amx_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "amx_pack takes a 2-D bf16 weight");
+  batcher::check_bf16(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "amx_pack takes a 2-D weight");
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t blocks_n = round_up(N, TILE_N) / TILE_N, blocks_k = round_up(K, TILE_K) / TILE_K;
   auto packed = torch::zeros({blocks_n, blocks_k, TILE_K / 2, TILE_N * 2}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const uint16_t* src = batcher::bf16_data(w);
+  uint16_t* dst = batcher::bf16_data(packed);
   at::parallel_for(0, blocks_n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; nb++)
       for (int64_t kb = 0; kb < blocks_k; kb++) {
@@ -64,7 +66,8 @@ torch::Tensor amx_pack(torch::Tensor weight) {
 // x [..., K] bf16 with at most 32 rows; packed from amx_pack of a weight [N, K]; bias [N] or None.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX's tile state");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "bf16 tensors only");
+  batcher::check_bf16(x, "x");
+  batcher::check_bf16(packed, "packed");
   const int64_t K = x.size(-1), blocks_k = packed.size(1), k_padded = blocks_k * TILE_K;
   TORCH_CHECK(round_up(K, TILE_K) == k_padded && packed.size(0) * TILE_N >= N, "the packed weight does not fit x");
   const auto x2 = x.reshape({-1, K});
@@ -78,14 +81,15 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const uint16_t* b = nullptr;
   if (bias.has_value()) {
     bias_c = bias->contiguous();
-    b = reinterpret_cast<const uint16_t*>(bias_c.data_ptr());
+    batcher::check_bf16(bias_c, "bias");
+    b = batcher::bf16_data(bias_c);
   }
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const auto* xt = reinterpret_cast<const uint16_t*>(x_tiles.data_ptr());
+  uint16_t* yp = batcher::bf16_data(y);
+  const uint16_t* wp = batcher::bf16_data(packed);
+  const uint16_t* xt = batcher::bf16_data(x_tiles);
   const int64_t blocks_n = packed.size(0), pairs = (blocks_n + 1) / 2;
   const int64_t tile_elems = TILE_K * TILE_N, block_elems = blocks_k * tile_elems;
   at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {

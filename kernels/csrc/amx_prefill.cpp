@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "simd.h"
+#include "common.h"
 
 namespace {
 
@@ -35,18 +35,21 @@ void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, int64_t row_str
                int64_t block_size, int64_t length, int64_t dim, uint16_t* keys, uint16_t* values) {
   const int64_t steps = (length + KEYS - 1) / KEYS, key_tile = PAIRS * 32;
   const int64_t padded = steps * KEYS;
+  std::vector<int64_t> rows(length);
+  batcher::RowCursor cursor{table, block_size};
+  for (int64_t pos = 0; pos < length; pos++) {
+    rows[pos] = cursor.next();
+    std::copy(k_cache + rows[pos] * row_stride, k_cache + rows[pos] * row_stride + dim, keys + pos * dim);
+  }
   std::fill(keys + length * dim, keys + padded * dim, 0);
-  auto row_of = [&](int64_t pos) { return table[pos / block_size] * block_size + pos % block_size; };
-  for (int64_t pos = 0; pos < length; pos++)
-    std::copy(k_cache + row_of(pos) * row_stride, k_cache + row_of(pos) * row_stride + dim, keys + pos * dim);
   // Two keys' value rows interleaved word by word: unpack gives, per 128-bit lane L of a 32-dimension half,
   // dimensions 8L..8L+3 (low) and 8L+4..8L+7 (high); the permutes put them back in order, 16 at a time.
   const __m512i first16 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
   const __m512i last16 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t pos = 0; pos < padded; pos += 2) {
-    const uint16_t* even = pos < length ? v_cache + row_of(pos) * row_stride : nullptr;
-    const uint16_t* odd = pos + 1 < length ? v_cache + row_of(pos + 1) * row_stride : nullptr;
+    const uint16_t* even = pos < length ? v_cache + rows[pos] * row_stride : nullptr;
+    const uint16_t* odd = pos + 1 < length ? v_cache + rows[pos + 1] * row_stride : nullptr;
     uint16_t* pair_row = values + (pos / KEYS) * KEYS * dim + ((pos % KEYS) / 2) * 32;
     for (int64_t half = 0; half < dim / 32; half++) {
       const __m512i a = even ? _mm512_loadu_si512(even + 32 * half) : zero;
@@ -65,8 +68,9 @@ void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, int64_t row_str
 torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                           int64_t ctx_start, int64_t block_size, double scale) {
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX's tile state");
-  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-              v_cache.scalar_type() == torch::kBFloat16, "bf16 tensors only");
+  batcher::check_bf16(query, "query");
+  batcher::check_bf16(k_cache, "k_cache");
+  batcher::check_bf16(v_cache, "v_cache");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == torch::kLong, "the block table must be int64");
   const int64_t n = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = k_cache.size(1);
@@ -81,10 +85,10 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
   q.narrow(1, 0, n).copy_(query.transpose(0, 1));
   auto packed_k = torch::empty({kv_heads, steps * KEYS * dim}, query.options());
   auto packed_v = torch::empty({kv_heads, steps * KEYS * dim}, query.options());
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  auto* pk = reinterpret_cast<uint16_t*>(packed_k.data_ptr());
-  auto* pv = reinterpret_cast<uint16_t*>(packed_v.data_ptr());
+  const uint16_t* kc = batcher::bf16_data(k_cache);
+  const uint16_t* vc = batcher::bf16_data(v_cache);
+  uint16_t* pk = batcher::bf16_data(packed_k);
+  uint16_t* pv = batcher::bf16_data(packed_v);
   const int64_t* tp = table.data_ptr<int64_t>();
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; h++)
@@ -92,8 +96,8 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
                 pv + h * steps * KEYS * dim);
   });
   auto out = torch::empty({n, heads, dim}, query.options());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  uint16_t* op = batcher::bf16_data(out);
+  const uint16_t* qp = batcher::bf16_data(q);
   const float sc = static_cast<float>(scale);
   const int64_t dim_blocks = dim / 32, key_tile = PAIRS * 32;  // dim_blocks <= 4: head_dim <= 128
   at::parallel_for(0, heads * q_tiles, 1, [&](int64_t begin, int64_t end) {
@@ -106,7 +110,7 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
     alignas(64) float scores[KEYS][ROWS];          // transposed: a row per key, a column per position
     alignas(64) uint16_t weights[ROWS][KEYS];
     alignas(64) float values_sum[ROWS][64];  // one group of four 16-dimension blocks of weights x values
-    alignas(64) float acc[ROWS][256];
+    alignas(64) float acc[ROWS][128];
     alignas(64) float alpha[ROWS];
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004,

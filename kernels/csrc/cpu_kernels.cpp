@@ -17,15 +17,17 @@
 #include <cmath>
 #include <cstdint>
 
-#include "simd.h"
+#include "common.h"
 
 namespace {
 
+using batcher::bf16_data;
+using batcher::check_bf16;
 using batcher::exp_ps;
+using batcher::RowCursor;
 using batcher::transpose16;
 
 constexpr int TILE = 16;            // keys scored together: one vector of scores per query head
-constexpr int MAX_GROUP = 8;        // query heads per KV head
 constexpr int PREFETCH_BYTES = 8192;
 
 inline __m512 load_bf16_as_fp32(const uint16_t* p) {
@@ -35,20 +37,6 @@ inline __m512 load_bf16_as_fp32(const uint16_t* p) {
 inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 inline uint16_t to_bf16(float x) { return c10::BFloat16(x).x; }  // round to nearest even
-
-// Walks a sequence's positions in order, giving each one's cache row without a division per position.
-struct RowCursor {
-  const int64_t* table;
-  int64_t block_size, block = 0, offset = 0;
-  int64_t next() {
-    const int64_t row = table[block] * block_size + offset;
-    if (++offset == block_size) {
-      offset = 0;
-      block++;
-    }
-    return row;
-  }
-};
 
 // One sequence's query heads of one KV head: queries q[G][D], keys and values of `length` positions,
 // position i at cache row table[i / block_size] * block_size + i % block_size. Keys go 16 at a time: their
@@ -136,12 +124,6 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
   }
 }
 
-void check_bf16(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16, name, " must be a bf16 CPU tensor");
-}
-
-const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
-
 // query [B, H, D]; k_cache, v_cache [rows, Hkv, D]; block_tables [B, W] (int64); context_lens [B] (int64).
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, double scale) {
@@ -155,7 +137,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "unsupported query heads per KV head");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= batcher::kMaxGroup, "unsupported query heads per KV head");
   TORCH_CHECK(k_cache.size(2) == dim && block_tables.size(0) == batch && context_lens.size(0) == batch,
               "mismatched shapes");
   const int group = static_cast<int>(heads / kv_heads);
@@ -163,7 +145,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const uint16_t* q = bf16_data(query);
   const uint16_t* k = bf16_data(k_cache);
   const uint16_t* v = bf16_data(v_cache);
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  uint16_t* o = bf16_data(out);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t width = block_tables.size(1), row_stride = kv_heads * dim;
@@ -179,6 +161,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       }
     });
   };
+  static_assert(batcher::kMaxGroup == 8, "paged_decode instantiates 1 to 8 query heads per KV head");
   auto for_group = [&](auto head_dim) {
     switch (group) {
       case 1: run(head_dim, std::integral_constant<int, 1>{}); break;
@@ -189,7 +172,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       case 6: run(head_dim, std::integral_constant<int, 6>{}); break;
       case 7: run(head_dim, std::integral_constant<int, 7>{}); break;
       case 8: run(head_dim, std::integral_constant<int, 8>{}); break;
-      default: TORCH_CHECK(false, "paged_decode supports 1 to ", MAX_GROUP, " query heads per KV head, not ", group);
+      default: TORCH_CHECK(false, "paged_decode supports 1 to ", batcher::kMaxGroup, " query heads per KV head, not ", group);
     }
   };
   TORCH_CHECK(dim == 64 || dim == 128, "paged_decode supports head_dim 64 and 128, not ", dim);
@@ -235,7 +218,7 @@ void linear_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uin
   }
 }
 
-// x [..., K] with at most LINEAR_MAX_ROWS rows; weight [N, K]; bias [N] or None.
+// x [..., K] with at most kLinearMaxRows rows; weight [N, K]; bias [N] or None.
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   check_bf16(x, "x");
   check_bf16(weight, "weight");
@@ -244,7 +227,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   const auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t rows = x2.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= LINEAR_MAX_ROWS, "small_linear takes 1 to ", LINEAR_MAX_ROWS, " rows");
+  TORCH_CHECK(rows >= 1 && rows <= batcher::kLinearMaxRows, "small_linear takes 1 to ", batcher::kLinearMaxRows, " rows");
   const uint16_t* b = nullptr;
   torch::Tensor bias_c;
   if (bias.has_value()) {
@@ -257,8 +240,8 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
   auto y = torch::empty(sizes, x.options());
   const uint16_t* xp = bf16_data(x2);
   const uint16_t* wp = bf16_data(weight);
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  static_assert(LINEAR_MAX_ROWS == 4, "small_linear instantiates 1 to 4 rows");  // set by kernels/native.py
+  uint16_t* yp = bf16_data(y);
+  static_assert(batcher::kLinearMaxRows == 4, "small_linear instantiates 1 to 4 rows");
   at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
     switch (rows) {
       case 1: linear_rows<1>(xp, wp, b, yp, K, N, begin, end); break;
