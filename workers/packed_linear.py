@@ -1,4 +1,5 @@
-"""bf16 linear layers on CPU with their weights packed once, at load, for oneDNN.
+"""Linear layers on CPU on the fastest kernel for their dtype and rows: bf16 weights packed once, at load, for
+oneDNN; fp32 decode rows on `kernels.native`'s AVX2 kernel.
 
 A plain bf16 `F.linear` on CPU hands oneDNN the weight in its plain layout, and oneDNN re-blocks it in
 every call: at decode sizes that costs more than the matmul (80 us against 14-21 us for a 576x576 weight
@@ -14,6 +15,11 @@ weight laid out in AMX's tiles. Both copies are laid end to end in the order the
 
 A packed weight is an opaque oneDNN tensor that torch.compile cannot trace into: inside a compiled forward
 each call goes through the op `batcher::packed_linear`, which the compiler leaves alone.
+
+In fp32 (`route_fp32_linears`) nothing is packed: MKL serves many rows well on the plain weight, but reads it
+well below the memory's pace at a decode step's few rows on some CPUs, where `native.fp32_linear` takes up to
+FP32_LINEAR_MAX_ROWS rows (1.36x at one row, 1.9x at 2-4 on an AMD EPYC). The weights are laid end to end, as
+above.
 """
 
 from __future__ import annotations
@@ -84,6 +90,33 @@ def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
                         linears)
     if tiles:
         _lay_end_to_end([module.tile_weight for module in linears], lambda m, view: setattr(m, "tile_weight", view),
+                        linears)
+    return len(linears)
+
+
+def fp32_rows_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether fp32 decode rows can take `native.fp32_linear` (`route_fp32_linears`)."""
+    return device.type == "cpu" and dtype == torch.float32 and native.load(native.FP32) is not None
+
+
+class FewRowsLinear(torch.nn.Linear):
+    """An fp32 `nn.Linear` whose inputs of up to FP32_LINEAR_MAX_ROWS rows take `native.fp32_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if 0 < rows <= native.FP32_LINEAR_MAX_ROWS and not torch.compiler.is_compiling():
+            return native.fp32_linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)  # what a compiled forward traces
+
+
+def route_fp32_linears(model: torch.nn.Module) -> int:
+    """Turn every `nn.Linear` of an fp32 `model` into a `FewRowsLinear`, its weights laid end to end in call
+    order; returns how many (0 for a model routed already)."""
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    for module in linears:
+        module.__class__ = FewRowsLinear
+    if linears:
+        _lay_end_to_end([module.weight for module in linears], lambda m, view: setattr(m.weight, "data", view),
                         linears)
     return len(linears)
 

@@ -32,7 +32,7 @@ from kernels.triton_attention import FlatAttentionMetadata
 from workers.attention_backend import resolve_attention_backend
 from workers.compiled_forward import CompiledForward
 from workers.models import LoadedModel
-from workers.packed_linear import can_pack, pack_linears
+from workers.packed_linear import can_pack, fp32_rows_native, pack_linears, route_fp32_linears
 from workers.precision import DTYPES
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class ModelRunner:
             few_rows_native = native.load() is not None
             log.info("packed %d linear weights for oneDNN%s", pack_linears(self.model, few_rows_native),
                      "; decode rows on the bf16 CPU kernels" if few_rows_native else "")
+        elif fp32_rows_native(self.device, self.dtype):
+            log.info("%d fp32 linears take decode rows on the fp32 CPU kernel", route_fp32_linears(self.model))
         self.num_blocks = num_kv_blocks(self.model, config)
         slots = self.num_blocks * config.block_size
         self.kv_caches = [
