@@ -61,13 +61,17 @@ def test_fp32_linear_refuses_what_it_cannot_compute(call, message):
         call()
 
 
-def test_routing_keeps_a_tied_head_tied_and_many_rows_on_torch():
+def test_routing_keeps_a_tied_head_tied_copies_every_weight_and_leaves_many_rows_to_torch():
     embedding = torch.nn.Embedding(50, 16)
     head = torch.nn.Linear(16, 50, bias=False)
     head.weight = embedding.weight
     model = torch.nn.ModuleDict({"embed": embedding, "up": torch.nn.Linear(16, 32), "head": head})
     plain = {name: module.weight.detach().clone() for name, module in model.items()}
+    before = [parameter.data for parameter in model.parameters()]  # (held, so no address is reused)
     assert route_fp32_linears(model) == 2
+    # Nothing refers to the loaded tensors any more (an fp32 checkpoint's are mapped from its file).
+    storages = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    assert not storages & {tensor.untyped_storage().data_ptr() for tensor in before}
     assert route_fp32_linears(model) == 0  # routed already (a second engine on the same model)
     assert type(model["head"]) is FewRowsLinear and model["head"].weight is model["embed"].weight
     assert model["up"].weight.data_ptr() + 32 * 16 * 4 == model["head"].weight.data_ptr()  # end to end, call order
