@@ -70,6 +70,10 @@ class Unavailable(Exception):
     """Why a build cannot run here."""
 
 
+class NotWanted(Unavailable):
+    """Why a build is not used here: torch's kernels serve this CPU better (not worth a warning)."""
+
+
 @functools.cache
 def cpu_flags() -> set[str]:
     try:
@@ -86,7 +90,7 @@ def _build(build: Build):
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
     present = [flag for flag in build.excluded_by if flag in cpu_flags()]
     if present:
-        raise Unavailable(f"this CPU has {', '.join(present)}, where torch's kernels serve")
+        raise NotWanted(f"this CPU has {', '.join(present)}, where torch's kernels serve")
     from torch.utils.cpp_extension import load
 
     try:
@@ -109,7 +113,8 @@ def _status(build: Build):
     try:
         module = _build(build)
     except Unavailable as reason:
-        log.warning("%s unavailable (%s): torch's kernels run instead", _title(build), reason)
+        log.log(logging.INFO if isinstance(reason, NotWanted) else logging.WARNING,
+                "%s unavailable (%s): torch's kernels run instead", _title(build), reason)
         return None, str(reason)
     log.info("%s loaded%s", _title(build), " (with AMX)" if build is BF16 and module.amx_permitted() else "")
     return module, None

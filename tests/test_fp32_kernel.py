@@ -1,7 +1,7 @@
 """The fp32 CPU kernel (`native.fp32_linear`) against torch's reference, and the engine's fp32 linears on it.
 
-It runs only on an AVX2 CPU without AVX-512 (elsewhere MKL keeps fp32 and these tests skip); a CPU that qualifies
-but fails to build it fails here.
+It runs only on an AVX2 CPU without AVX-512 (elsewhere MKL keeps fp32 and the kernel's tests skip); a CPU that
+qualifies but fails to build it fails here.
 """
 
 import pytest
@@ -13,12 +13,25 @@ from tests.engine_helpers import engine_for, greedy, random_prompts, reference_t
 from workers.packed_linear import FewRowsLinear, route_fp32_linears
 
 FLAGS = native.cpu_flags()
-pytestmark = pytest.mark.skipif(
+served_here = pytest.mark.skipif(
     any(flag not in FLAGS for flag in native.FP32.cpu_flags) or any(flag in FLAGS for flag in native.FP32.excluded_by),
     reason="the fp32 kernel serves AVX2 CPUs without AVX-512")
 MAX_ROWS = native.FP32_LINEAR_MAX_ROWS
 
 
+def test_where_the_cpu_has_avx512_fp32_keeps_torchs_linears_without_a_warning(tiny_model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(native, "_status", native._status.__wrapped__)  # not the cached answer for this CPU
+    with caplog.at_level("INFO", logger="kernels.native"):
+        engine = engine_for(tiny_model_dir("llama"), max_num_seqs=2)
+    assert "this CPU has avx512f" in native.unavailable_reason(native.FP32)
+    assert not [record for record in caplog.records if record.levelname == "WARNING"]
+    assert all(type(m) is torch.nn.Linear for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear))
+    engine.add("r", greedy([5, 6, 7], 4))
+    assert len(run_all(engine)["r"].token_ids) == 4
+
+
+@served_here
 def test_the_kernel_builds_on_a_cpu_it_serves():
     assert native.load(native.FP32) is not None, native.unavailable_reason(native.FP32)
 
@@ -27,6 +40,7 @@ def exact(x, weight, bias):
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
 
 
+@served_here
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, MAX_ROWS])
 @pytest.mark.parametrize("out_features, in_features", [(6, 8), (97, 50), (13, 3), (192, 576), (7, 1536)])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -41,6 +55,7 @@ def test_fp32_linear_matches_float64(rows, out_features, in_features, with_bias)
     torch.testing.assert_close(y.double(), exact(x, weight, bias), atol=1e-4 * in_features**0.5, rtol=1e-5)
 
 
+@served_here
 def test_leading_dimensions_and_a_strided_x_keep_their_shape():
     weight, bias = torch.randn(10, 24), torch.randn(10)
     x = torch.randn(2, 3, 48)[..., ::2]  # [2, 3, 24], not contiguous
@@ -49,6 +64,7 @@ def test_leading_dimensions_and_a_strided_x_keep_their_shape():
     torch.testing.assert_close(y.double(), exact(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
+@served_here
 @pytest.mark.parametrize("call, message", [
     (lambda: native.fp32_linear(torch.randn(MAX_ROWS + 1, 8), torch.randn(4, 8), None), "1 to"),
     (lambda: native.fp32_linear(torch.randn(1, 8).double(), torch.randn(4, 8), None), "fp32 CPU tensor"),
@@ -61,6 +77,7 @@ def test_fp32_linear_refuses_what_it_cannot_compute(call, message):
         call()
 
 
+@served_here
 def test_routing_keeps_a_tied_head_tied_copies_every_weight_and_leaves_many_rows_to_torch():
     embedding = torch.nn.Embedding(50, 16)
     head = torch.nn.Linear(16, 50, bias=False)
@@ -83,6 +100,7 @@ def test_routing_keeps_a_tied_head_tied_copies_every_weight_and_leaves_many_rows
                                    atol=1e-4, rtol=1e-5)
 
 
+@served_here
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_an_fp32_engine_runs_its_linears_on_the_kernel_and_keeps_greedy_tokens(tiny_model_dir, family):
     engine = engine_for(tiny_model_dir(family), max_num_seqs=4, max_num_batched_tokens=32)
