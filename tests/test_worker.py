@@ -354,6 +354,21 @@ def test_a_worker_takes_jobs_for_its_model_and_jobs_for_any_model_but_not_anothe
     assert fetch(fake_redis, other).get_status() == JobStatus.QUEUED
 
 
+def test_a_starting_worker_is_listed_before_its_first_heartbeat_interval(fake_redis):
+    """The gateway serves a model only while a live worker lists it: a worker that already takes jobs must be
+    listed at once, not one heartbeat interval (here 10 s) later."""
+    Client(fake_redis, queue=Q).submit(request(max_tokens=2))
+    listed = []
+
+    def first_step(worker, outputs):
+        if not listed:
+            listed.append(wait_for(lambda: [w.name for w in admin.list_workers(fake_redis)], 5, "the worker listed"))
+
+    worker = make_worker(fake_redis, lease_s=30, on_step=first_step)
+    worker.work(burst=True)
+    assert listed == [[worker.name]]
+
+
 def test_heartbeat_publishes_the_workers_figures(fake_redis):
     engine = FakeEngine(max_num_seqs=4)
     engine.prefix_cache_stats.queries, engine.prefix_cache_stats.hits = 800, 600

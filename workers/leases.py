@@ -146,6 +146,10 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name=f"lease-keeper-{worker.name}", daemon=True)
 
     def start(self) -> None:
+        """Beat once now, on the caller's thread, then every interval on the keeper's: the first beat publishes
+        the worker's stats, and until then the gateway answers that no live worker serves its model (lease/3 s
+        of 404s after every start)."""
+        self.renew([])
         self._thread.start()
 
     def stop(self) -> None:

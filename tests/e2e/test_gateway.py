@@ -19,6 +19,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from batcher.admin import list_workers
 from batcher.client import Client
 from tests.e2e.test_batches import batch_jobs_running
 from tests.e2e.test_workers import start_worker, stop, wait_ready
@@ -50,9 +51,12 @@ def workers() -> dict[str, subprocess.Popen]:
 
 
 def add_worker(workers, url: str, connection, model_dir, log) -> str:
+    """Start a worker and wait until the gateway can see it: listed with its stats, as the model check reads
+    them (a killed worker of an earlier module stays listed for two leases, and serves nothing)."""
     name, process = start_worker(url, model_dir, QUEUE, log, 8, "--served-model-name", MODEL)
     workers[name] = process
     wait_ready(connection, name, process)
+    wait_for(lambda: name in [w.name for w in list_workers(connection)], 30, f"worker {name} to publish its stats")
     return name
 
 
