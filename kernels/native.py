@@ -44,11 +44,12 @@ FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x 
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides the bf16 build's flags
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: `load(build)` runs in every kernel call
 class Build:
     """One extension: its sources (headers included, for the digest), the CPU flags its instructions need, the
     flags that rule it out (a CPU where torch's kernels serve better), and its compiler flags."""
 
+    label: str  # in the logs: "bf16 CPU kernels"
     name: str
     sources: tuple[str, ...]
     headers: tuple[str, ...]
@@ -57,12 +58,12 @@ class Build:
     compile_flags: tuple[str, ...]
 
 
-BF16 = Build("batcher_cpu_kernels", ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp"), ("common.h",),
+BF16 = Build("bf16", "batcher_cpu_kernels", ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp"), ("common.h",),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
               f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
-FP32 = Build("batcher_fp32_kernels", ("fp32_linear.cpp",), (), ("avx2", "fma"), ("avx512f",),
+FP32 = Build("fp32", "batcher_fp32_kernels", ("fp32_linear.cpp",), (), ("avx2", "fma"), ("avx512f",),
              ("-O3", "-mavx2", "-mfma", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}"))
 
 
@@ -114,14 +115,10 @@ def _status(build: Build):
         module = _build(build)
     except Unavailable as reason:
         log.log(logging.INFO if isinstance(reason, NotWanted) else logging.WARNING,
-                "%s unavailable (%s): torch's kernels run instead", _title(build), reason)
+                "%s CPU kernels unavailable (%s): torch's kernels run instead", build.label, reason)
         return None, str(reason)
-    log.info("%s loaded%s", _title(build), " (with AMX)" if build is BF16 and module.amx_permitted() else "")
+    log.info("%s CPU kernels loaded%s", build.label, " (with AMX)" if build is BF16 and module.amx_permitted() else "")
     return module, None
-
-
-def _title(build: Build) -> str:
-    return f"{'bf16' if build is BF16 else 'fp32'} CPU kernels"
 
 
 def load(build: Build = BF16):
@@ -194,5 +191,5 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for build in (BF16, FP32):
-        print(f"{_title(build)}:", "ready" if load(build) is not None else "unavailable (torch's kernels will run)")
+        print(f"{build.label} CPU kernels:", "ready" if load(build) is not None else "unavailable (torch's kernels will run)")
     sys.exit(0)
