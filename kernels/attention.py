@@ -132,9 +132,18 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
     return cache.view(-1, block_size, kv_heads, dim).index_select(0, blocks).view(-1, kv_heads, dim)
 
 
+def _tokens_contiguous(x: torch.Tensor) -> bool:
+    """Whether each token's `[heads, head_dim]` of `x [T, heads, head_dim]` is one run of memory."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys and values `[T, kv_heads, head_dim]` at their cache slots."""
+    if (k_cache.dtype == key.dtype == value.dtype == torch.bfloat16 and k_cache.is_cpu and native.load() is not None
+            and _tokens_contiguous(key) and _tokens_contiguous(value)):
+        native.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
     k_cache.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 

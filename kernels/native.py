@@ -7,7 +7,10 @@ the places of a bf16 step where torch's own kernels fall short:
 - linear layers at few rows, which must stream every weight once: `small_linear` (AVX-512, up to 4 rows) and
   `amx_linear` (Intel AMX, up to 32);
 - on AMX, prefill attention (`amx_prefill`), where torch's flash kernel spends most of its time outside the
-  matmuls.
+  matmuls;
+- a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
+  transformers' modules make 3 to 27 torch ops (`workers.fused_decoder`), and the cache write of a step's
+  keys and values (`write_kv`).
 On an AVX2 CPU without AVX-512 (`FP32`), where `dtype auto` picks fp32, `fp32_linear` takes a decode step's
 linears (up to 32 rows), which MKL reads at well below the memory's pace there. Where AVX-512 exists, MKL's own
 AVX-512 kernels keep fp32: the AVX2 kernel was measured against MKL's AVX2 paths only.
@@ -39,6 +42,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)  # of every attention kernel
 # Limits the C++ shares (kernels/csrc/common.h), passed as compile flags so the two cannot disagree.
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
 AMX_MAX_ROWS = 32  # rows of x that amx_linear takes (two tiles of 16)
+AMX_TILE_COLUMNS = 16  # output columns of a block of amx_pack's layout (the blocks of a weight lie in order)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
 FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides the bf16 build's flags
@@ -58,7 +62,8 @@ class Build:
     compile_flags: tuple[str, ...]
 
 
-BF16 = Build("bf16", "batcher_cpu_kernels", ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp"), ("common.h",),
+BF16 = Build("bf16", "batcher_cpu_kernels", ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp", "layer_ops.cpp"),
+             ("common.h",),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
               f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
@@ -181,6 +186,34 @@ def amx_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ weight.T + bias` for bf16 x of at most LINEAR_MAX_ROWS rows."""
     return load().small_linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of each row of bf16 `x [..., H]`, `weight [H]`."""
+    return load().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`residual += delta` in place, then `rms_norm(residual, weight, eps)`: a decoder's residual add and the
+    norm after it."""
+    return load().add_rms_norm(residual, delta, weight, eps)
+
+
+def rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate `query [T, H, D]` and `key [T, Hkv, D]` in place by the rotary module's `cos` and `sin [T, D]`,
+    as transformers' `apply_rotary_pos_emb` does."""
+    load().rotary_(query, key, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`, the gated MLP's activation, in bf16."""
+    return load().silu_mul(gate, up)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """`k_cache[slot_mapping] = key` and the same for values, bf16 `[T, kv_heads, head_dim]`."""
+    load().write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -92,6 +92,9 @@ def test_model_cost_counts_weights_and_attention(tiny_model_dir):
     # 2 layers of q, k, v, o (64x64, 64x32, 64x32, 64x64) and gate, up, down (64x128 each); head 384x64
     assert cost.matmul_params == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
     assert cost.head_params == 384 * 64
+    assert cost.kv_values_per_key == 2 * 2 * 2 * 16  # keys and values, 2 layers, 2 KV heads of 16
+    assert cost.decode_keys(3, 1) == 0 and cost.decode_keys(3, 3) == 4 + 5  # two decodes, over 4 and 5 keys
+    assert cost.decode_keys(3, 3, shared=2) == 2 + 3
     assert cost.request_flops(1, 1) == 2 * cost.matmul_params + 2 * cost.head_params + cost.attention_flops_per_key
     # 3 fed tokens, the first 2 from the prefix cache: only the third goes through the weights, over 3 keys
     assert cost.request_flops(3, 1, cached=2) == (2 * cost.matmul_params + 2 * cost.head_params
@@ -99,14 +102,18 @@ def test_model_cost_counts_weights_and_attention(tiny_model_dir):
 
 
 def test_roofline_counts_the_decode_steps_any_scheduler_needs_and_the_flops():
-    cost = ModelCost(matmul_params=1000, head_params=500, attention_flops_per_key=10)
+    cost = ModelCost(matmul_params=1000, head_params=500, attention_flops_per_key=10, kv_values_per_key=4)
     # outputs 12+3+6+2+5+4+3 = 35: at 2 slots, 18 steps; at 32 slots the longest output, 12
     for slots, steps in ((2, 18), (32, 12)):
         roofline = Roofline.of(WORKLOAD, cost, torch.bfloat16, slots, matmul_flop_s=1e9, read_bytes_s=3e6)
-        # r6 need not compute the 12-token prefix it shares with r5
-        flops = sum(cost.request_flops(w.prompt_len, w.max_tokens, 12 if w.id == "r6" else 0) for w in WORKLOAD)
+        # r6 need not compute the 12-token prefix it shares with r5, nor read it in its decodes
+        shared = {w.id: 12 if w.id == "r6" else 0 for w in WORKLOAD}
+        flops = sum(cost.request_flops(w.prompt_len, w.max_tokens, shared[w.id]) for w in WORKLOAD)
+        keys = sum(sum(w.prompt_len + 1 + i - shared[w.id] for i in range(w.max_tokens - 1)) for w in WORKLOAD)
         assert roofline.decode_steps == steps and roofline.weight_bytes == 1500 * 2
-        assert roofline.limit_s == pytest.approx(steps * 1e-3 + flops / 1e9)
+        assert roofline.kv_read_bytes == keys * 4 * 2
+        # the decodes' attention is bound by its reads here (8 bytes a key at 3 MB/s, against 10 FLOPs at 1 GFLOP/s)
+        assert roofline.limit_s == pytest.approx(steps * 1e-3 + keys * 8 / 3e6 + (flops - keys * 10) / 1e9)
         assert roofline.pct_of_limit(2 * roofline.limit_s) == pytest.approx(50)
 
 

@@ -35,13 +35,21 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _on_amx(rows: int, tile_weight: torch.Tensor | None) -> bool:
+    return tile_weight is not None and 1 < rows <= native.AMX_MAX_ROWS  # one row: small_linear is faster
+
+
+def _on_small_linear(rows: int, small_rows: bool) -> bool:
+    return small_rows and 0 < rows <= native.LINEAR_MAX_ROWS
+
+
 def _multiply(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor, tile_weight: torch.Tensor | None,
               small_rows: bool, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + b` by the fastest kernel for x's rows (see the module's docstring)."""
     rows = x.numel() // weight.shape[1]
-    if tile_weight is not None and 1 < rows <= native.AMX_MAX_ROWS:  # one row: small_linear is faster
+    if _on_amx(rows, tile_weight):
         return native.amx_linear(x, tile_weight, bias, weight.shape[0])
-    if small_rows and 0 < rows <= native.LINEAR_MAX_ROWS:
+    if _on_small_linear(rows, small_rows):
         return native.small_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
@@ -92,6 +100,45 @@ def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
         _lay_end_to_end([module.tile_weight for module in linears], lambda m, view: setattr(m, "tile_weight", view),
                         linears)
     return len(linears)
+
+
+class JointLinear:
+    """Linears that read one input (a layer's q, k and v projections; gate and up) as one kernel call at a
+    decode step's few rows. `pack_linears` lays their weights end to end, and their AMX tile copies too, so
+    those are one matrix already: this views them as one, with no copy. At more rows, and where the weights
+    do not lie so, each module runs on its own. Returns one output per module (at few rows, views of one)."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+        self.sizes = [module.out_features for module in modules]
+        packed = all(isinstance(module, PackedLinear) and module.small_rows for module in modules)
+        self.weight = _one_matrix([module.weight for module in modules]) if packed else None
+        tiles_join = packed and all(module.tile_weight is not None
+                                    and module.out_features % native.AMX_TILE_COLUMNS == 0 for module in modules)
+        self.tile_weight = _one_matrix([module.tile_weight for module in modules]) if tiles_join else None
+        biases = [module.bias for module in modules]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else module.weight.new_zeros(module.out_features)
+             for b, module in zip(biases, modules)])
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rows = x.numel() // x.shape[-1]
+        if self.weight is not None and (_on_amx(rows, self.tile_weight) or _on_small_linear(rows, True)):
+            return _multiply(x, self.weight, None, self.tile_weight, True, self.bias).split(self.sizes, dim=-1)
+        return [module(x) for module in self.modules]
+
+
+def _one_matrix(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """`parts` as one tensor, concatenated along their first dimension, where they lie end to end in one
+    storage (else None)."""
+    first = parts[0]
+    for before, after in zip(parts, parts[1:]):
+        if (after.shape[1:] != first.shape[1:] or not before.is_contiguous() or not after.is_contiguous()
+                or after.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or after.data_ptr() != before.data_ptr() + before.numel() * before.element_size()):
+            return None
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def fp32_rows_native(device: torch.device, dtype: torch.dtype) -> bool:

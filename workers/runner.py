@@ -10,7 +10,8 @@ the CPU has AMX), or the Triton one (flat arrays, `kernels.triton_attention`), a
 `EngineConfig.attention_backend` resolves.
 
 How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
-(`workers.packed_linear`), and a decode step's few rows on `kernels.native`'s kernels where they run; with
+(`workers.packed_linear`), and a decode step's few rows on `kernels.native`'s kernels where they run; the
+layers of a Llama-shaped model run fused (`workers.fused_decoder`) where those kernels load; with
 `EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a compiled forward
 (`workers.compiled_forward`), padded to a few token-count buckets.
 """
@@ -31,6 +32,7 @@ from kernels.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, deco
 from kernels.triton_attention import FlatAttentionMetadata
 from workers.attention_backend import resolve_attention_backend
 from workers.compiled_forward import CompiledForward
+from workers.fused_decoder import FusedDecoder
 from workers.models import LoadedModel
 from workers.packed_linear import can_pack, fp32_rows_native, pack_linears, route_fp32_linears
 from workers.precision import DTYPES
@@ -85,6 +87,7 @@ class ModelRunner:
                      "; decode rows on the bf16 CPU kernels" if few_rows_native else "")
         elif fp32_rows_native(self.device, self.dtype):
             log.info("%d fp32 linears take decode rows on the fp32 CPU kernel", route_fp32_linears(self.model))
+        self.fused = FusedDecoder.of(self.model, self.device, self.dtype)
         self.num_blocks = num_kv_blocks(self.model, config)
         slots = self.num_blocks * config.block_size
         self.kv_caches = [
@@ -225,9 +228,13 @@ class ModelRunner:
     def _forward(self, input_ids: list[int], positions: list[int], last_rows: list[int],
                  metadata: AttentionMetadata | FlatAttentionMetadata) -> torch.Tensor:
         """Logits of `last_rows` (and maybe of padding rows after them). A step that fits a compiled
-        bucket is padded to it and runs the compiled forward; any other runs eagerly."""
+        bucket is padded to it and runs the compiled forward; any other runs eagerly, on the fused layers where
+        they serve the model."""
         model = self.model
         bucket = self.compiled.bucket(len(input_ids)) if self.compiled else None
+        if bucket is None and self.fused is not None:
+            return self.fused(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                              torch.tensor(last_rows, device=self.device), metadata)
         if bucket is not None:
             model = self.compiled
             input_ids = input_ids + [PAD_TOKEN_ID] * (bucket - len(input_ids))

@@ -1,0 +1,270 @@
+// The small per-token ops of a Llama-shaped decoder layer in bf16, each in one pass where transformers' modules
+// run 3 to 27 torch ops (workers/fused_decoder.py calls them):
+// - rms_norm, and add_rms_norm (the residual add before it, in place);
+// - rotary_, the rotary embedding of a step's queries and keys, in place;
+// - silu_mul, the MLP's SiLU(gate) * up;
+// - write_kv, a step's keys and values into the paged cache.
+// Each rounds to bf16 wherever the modules' torch ops do, and RMSNorm adds its squares in torch's order, so the
+// results are theirs bit for bit; only SiLU's exp is computed another way (within 2 ulp of fp32, which changes a
+// bf16 result only where it lies on a rounding edge).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+namespace {
+
+using batcher::bf16_data;
+using batcher::bf16_to_fp32;
+using batcher::check_bf16;
+using batcher::exp_ps;
+
+constexpr int64_t ROWS_PER_TASK = 8;  // rows (tokens) of a parallel task: a decode step's one row stays on its thread
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+inline __m512 load(const uint16_t* p, __mmask16 mask) { return bf16_to_fp32(_mm256_maskz_loadu_epi16(mask, p)); }
+
+inline void store(uint16_t* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// What a bf16 tensor op hands the next one: the fp32 result rounded to bf16 (to nearest even).
+inline __m512 round_bf16(__m512 v) { return bf16_to_fp32((__m256i)_mm512_cvtneps_pbh(v)); }
+
+void check_rows(const torch::Tensor& t, const char* name, int64_t width) {
+  check_bf16(t, name);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.dim() >= 1 && t.size(-1) == width, name, " must end in ", width, " features, not ", t.sizes());
+}
+
+// The sum of one row's squares, added in the order of torch's CPU sum (SumKernel.cpp's cascade over vectors of
+// 8 floats, its AVX2 build, which ATen runs on AVX-512 CPUs too: four accumulators over the row's vectors in
+// turn, gathered in levels of 16 such steps; then the scalar tail, then the lanes), so that the norm's variance,
+// and with it every bf16 result, is the one `x.pow(2).mean(-1)` gives.
+float sum_of_squares(const uint16_t* x, int64_t H) {
+  constexpr int LANES = 8, LEVELS = 4, ILP = 4;
+  const int64_t vectors = H / LANES, steps = vectors / ILP;
+  const int64_t ceil_log2 = steps <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(steps - 1));
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / LEVELS), level_step = int64_t{1} << level_power;
+  const auto square = [&](int64_t v) {
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + LANES * v))), 16));
+    return _mm256_mul_ps(a, a);
+  };
+  __m256 acc[LEVELS][ILP];
+  for (auto& level : acc)
+    for (auto& a : level) a = _mm256_setzero_ps();
+  int64_t i = 0;
+  while (i + level_step <= steps) {
+    for (int64_t j = 0; j < level_step; j++, i++)
+      for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square(ILP * i + k));
+    for (int j = 1; j < LEVELS; j++) {
+      for (int k = 0; k < ILP; k++) {
+        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = _mm256_setzero_ps();
+      }
+      if ((i & ((level_step - 1) << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < steps; i++)
+    for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square(ILP * i + k));
+  for (int j = 1; j < LEVELS; j++)
+    for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = steps * ILP; v < vectors; v++) acc[0][0] = _mm256_add_ps(acc[0][0], square(v));
+  __m256 lanes_sum = acc[0][0];
+  for (int k = 1; k < ILP; k++) lanes_sum = _mm256_add_ps(lanes_sum, acc[0][k]);
+  float total = 0.0f;
+  for (int64_t k = vectors * LANES; k < H; k++) {
+    const float v = static_cast<float>(c10::BFloat16(x[k], c10::BFloat16::from_bits()));
+    total += v * v;
+  }
+  alignas(32) float lane[LANES];
+  _mm256_store_ps(lane, lanes_sum);
+  for (float v : lane) total += v;
+  return total;
+}
+
+// out = weight * bf16(x * rsqrt(mean(x^2) + eps)), the formula of Llama's RMSNorm, for one row.
+void norm_row(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t H, float eps) {
+  const float variance = sum_of_squares(x, H) / static_cast<float>(H);
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(variance + eps));
+  for (int64_t i = 0; i < H; i += 16) {
+    const __mmask16 mask = lanes(H - i);
+    const __m512 normed = round_bf16(_mm512_mul_ps(load(x + i, mask), scale));
+    store(out + i, _mm512_mul_ps(load(weight + i, mask), normed), mask);
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_bf16(weight, "weight");
+  const int64_t H = weight.numel();
+  check_rows(x, "x", H);
+  auto out = torch::empty_like(x);
+  const uint16_t* xp = bf16_data(x);
+  const uint16_t* wp = bf16_data(weight);
+  uint16_t* op = bf16_data(out);
+  at::parallel_for(0, x.numel() / H, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) norm_row(xp + r * H, wp, op + r * H, H, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += delta (rounded to bf16, as `residual + delta` is), then the RMSNorm of the new residual.
+torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor weight, double eps) {
+  check_bf16(weight, "weight");
+  const int64_t H = weight.numel();
+  check_rows(residual, "residual", H);
+  check_rows(delta, "delta", H);
+  TORCH_CHECK(delta.numel() == residual.numel(), "delta must have the residual's shape");
+  auto out = torch::empty_like(residual);
+  uint16_t* hp = bf16_data(residual);
+  const uint16_t* dp = bf16_data(delta);
+  const uint16_t* wp = bf16_data(weight);
+  uint16_t* op = bf16_data(out);
+  at::parallel_for(0, residual.numel() / H, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) {
+      uint16_t* h = hp + r * H;
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 mask = lanes(H - i);
+        store(h + i, _mm512_add_ps(load(h + i, mask), load(dp + r * H + i, mask)), mask);
+      }
+      norm_row(h, wp, op + r * H, H, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+// x = x * cos + rotate_half(x) * sin over each head of one token, in place, rounding as the torch ops do.
+void rotate_heads(uint16_t* x, int64_t heads, int64_t D, const uint16_t* cos, const uint16_t* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; h++) {
+    uint16_t* head = x + h * D;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __mmask16 mask = lanes(half - i);
+      const __m512 x1 = load(head + i, mask), x2 = load(head + half + i, mask);
+      const __m512 first = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load(cos + i, mask))),
+                                         round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                                                  load(sin + i, mask))));
+      const __m512 second = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, load(cos + half + i, mask))),
+                                          round_bf16(_mm512_mul_ps(x1, load(sin + half + i, mask))));
+      store(head + i, first, mask);
+      store(head + half + i, second, mask);
+    }
+  }
+}
+
+// Each token's values of a [T, ..., width] tensor must be contiguous; its tokens may lie apart (a step's queries
+// and keys, or gate and up, as views of one linear's output).
+void check_tokens(const torch::Tensor& t, const char* name, int64_t dims, int64_t width) {
+  check_bf16(t, name);
+  TORCH_CHECK(t.dim() == dims && t.size(-1) == width, name, " must have ", dims, " dims ending in ", width,
+              ", not ", t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1 && (dims == 2 || t.stride(1) == width), name, "'s tokens must be contiguous");
+}
+
+// query [T, H, D] and key [T, Hkv, D] rotated in place by cos and sin [T, D] (the rotary module's output).
+void rotary_(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin) {
+  const int64_t D = query.size(-1), T = query.size(0);
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  check_tokens(query, "query", 3, D);
+  check_tokens(key, "key", 3, D);
+  check_rows(cos, "cos", D);
+  check_rows(sin, "sin", D);
+  TORCH_CHECK(key.size(0) == T && cos.numel() == T * D && sin.numel() == T * D,
+              "query, key, cos and sin must cover the same tokens");
+  const int64_t H = query.size(1), Hkv = key.size(1), q_stride = query.stride(0), k_stride = key.stride(0);
+  uint16_t* qp = bf16_data(query);
+  uint16_t* kp = bf16_data(key);
+  const uint16_t* cp = bf16_data(cos);
+  const uint16_t* sp = bf16_data(sin);
+  at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      rotate_heads(qp + t * q_stride, H, D, cp + t * D, sp + t * D);
+      rotate_heads(kp + t * k_stride, Hkv, D, cp + t * D, sp + t * D);
+    }
+  });
+}
+
+// x / (1 + e^-x), with e^-|x| alone computed so that exp_ps never overflows.
+inline __m512 silu(__m512 x) {
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // e^-|x|
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  // x >= 0: x / (1 + e^-x); x < 0: x * e^x / (1 + e^x)
+  const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+}
+
+// bf16(SiLU(gate)) * up, rounded as `act_fn(gate) * up` is; gate and up [T, I].
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  const int64_t I = gate.size(-1), T = gate.size(0);
+  check_tokens(gate, "gate", 2, I);
+  check_tokens(up, "up", 2, I);
+  TORCH_CHECK(up.size(0) == T, "gate and up must have one shape");
+  auto out = torch::empty({T, I}, gate.options());
+  const uint16_t* gp = bf16_data(gate);
+  const uint16_t* upp = bf16_data(up);
+  uint16_t* op = bf16_data(out);
+  const int64_t g_stride = gate.stride(0), u_stride = up.stride(0);
+  at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) {
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 mask = lanes(I - i);
+        const __m512 activated = round_bf16(silu(load(gp + r * g_stride + i, mask)));
+        store(op + r * I + i, _mm512_mul_ps(activated, load(upp + r * u_stride + i, mask)), mask);
+      }
+    }
+  });
+  return out;
+}
+
+// key and value [T, Hkv, D] (each token's values contiguous) into the caches' rows slot_mapping[t]; one call
+// for both, where two index_copy_ calls cost ~11 us each at a decode step's few rows.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes(), "the caches must be contiguous, [rows, kv_heads, head_dim]");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  const int64_t width = k_cache.size(1) * k_cache.size(2), T = key.size(0);
+  check_tokens(key, "key", 3, k_cache.size(2));
+  check_tokens(value, "value", 3, k_cache.size(2));
+  TORCH_CHECK(key.size(1) == k_cache.size(1) && value.size(1) == k_cache.size(1),
+              "key and value must have the cache's heads");
+  TORCH_CHECK(value.size(0) == T && slot_mapping.numel() == T && slot_mapping.scalar_type() == torch::kLong,
+              "slot_mapping must give one int64 slot per token");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t rows = k_cache.size(0);
+  for (int64_t t = 0; t < T; t++)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "slot ", slot[t], " is outside the cache");
+  const uint16_t* kp = bf16_data(key);
+  const uint16_t* vp = bf16_data(value);
+  uint16_t* kc = bf16_data(k_cache);
+  uint16_t* vc = bf16_data(v_cache);
+  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
+  at::parallel_for(0, T, ROWS_PER_TASK * 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      std::memcpy(kc + slot[t] * width, kp + t * k_stride, width * sizeof(uint16_t));
+      std::memcpy(vc + slot[t] * width, vp + t * v_stride, width * sizeof(uint16_t));
+    }
+  });
+}
+
+}  // namespace
+
+void bind_layer_ops(pybind11::module& m) {
+  m.def("rms_norm", &rms_norm, "bf16 RMSNorm of each row, as Llama's");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then the RMSNorm of the residual");
+  m.def("rotary_", &rotary_, "the rotary embedding of queries and keys, in place");
+  m.def("silu_mul", &silu_mul, "bf16 SiLU(gate) * up");
+  m.def("write_kv", &write_kv, "a step's bf16 keys and values into their cache rows");
+}

@@ -1,0 +1,194 @@
+"""The fused bf16 decoder forward (`workers.fused_decoder`) and the layer ops it runs (`kernels.native`).
+
+The layer ops must give transformers' own bits, and the fused forward the logits of transformers' forward on
+the same engine, step for step. They run only on a CPU with AVX-512 BF16; elsewhere these tests skip (and the
+fused forward is not used), and a CPU that has it but fails to build the kernels fails here.
+"""
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from kernels import native
+from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
+from tests.tiny_models import build_tiny_model
+from workers.fused_decoder import FusedDecoder
+from workers.packed_linear import JointLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.BF16.cpu_flags),
+                                reason="this CPU has no AVX-512 BF16")
+
+
+def bf16(*shape, scale=1.0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("hidden", [576, 64, 50, 72, 896, 4096])
+@pytest.mark.parametrize("norm_class", [LlamaRMSNorm, Qwen2RMSNorm])
+def test_rms_norm_gives_the_modules_bits(hidden, norm_class):
+    """Rows of very different scales (as a residual stream has), and widths with a tail and with the sum's
+    deeper cascade (4096)."""
+    norm = norm_class(hidden, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = bf16(hidden, seed=1)
+    x = bf16(200, hidden, seed=2) * bf16(200, 1, scale=20, seed=3)
+    assert torch.equal(native.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+    assert torch.equal(native.rms_norm(x[:1], norm.weight, norm.variance_epsilon), norm(x[:1]))
+
+
+@pytest.mark.parametrize("hidden", [576, 50])
+def test_add_rms_norm_adds_in_place_then_normalises(hidden):
+    norm = LlamaRMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
+    norm.weight.data = bf16(hidden, seed=1)
+    residual, delta = bf16(33, hidden, scale=8, seed=2), bf16(33, hidden, seed=3)
+    summed = residual + delta
+    out = native.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon)
+    assert torch.equal(residual, summed)
+    assert torch.equal(out, norm(summed))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 16, 40])
+def test_rotary_gives_apply_rotary_pos_emb_bits_in_place(head_dim):
+    tokens, heads, kv_heads = 37, 9, 3
+    query, key = bf16(tokens, heads, head_dim, seed=1), bf16(tokens, kv_heads, head_dim, seed=2)
+    angles = torch.rand(tokens, head_dim // 2) * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    want_q, want_k = apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None])
+    native.rotary_(query, key, cos, sin)
+    assert torch.equal(query, want_q[0].transpose(0, 1))
+    assert torch.equal(key, want_k[0].transpose(0, 1))
+
+
+def test_rotary_takes_views_of_one_projection_and_refuses_scattered_heads():
+    """q and k as the joint projection gives them: each token's heads in one run, tokens apart."""
+    tokens, head_dim = 5, 16
+    joint = bf16(tokens, (4 + 2 + 2) * head_dim, seed=1)
+    query, key, _ = (part.view(tokens, -1, head_dim) for part in joint.split([64, 32, 32], dim=-1))
+    cos, sin = bf16(tokens, head_dim, seed=2), bf16(tokens, head_dim, seed=3)
+    want_q, want_k = apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None])
+    native.rotary_(query, key, cos, sin)
+    assert torch.equal(joint[:, :64].view(tokens, 4, head_dim), want_q[0].transpose(0, 1))
+    assert torch.equal(joint[:, 64:96].view(tokens, 2, head_dim), want_k[0].transpose(0, 1))
+    with pytest.raises(RuntimeError, match="tokens must be contiguous"):
+        native.rotary_(bf16(4, tokens, head_dim).transpose(0, 1), key, cos, sin)
+
+
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_mul_matches_the_modules(width):
+    """SiLU's exp is computed another way than torch's, so a bf16 result on a rounding edge may differ by one
+    unit in its last place; nearly all are exact."""
+    gate, up = bf16(300, width, scale=4, seed=1), bf16(300, width, seed=2)
+    want = ACT2FN["silu"](gate) * up
+    got = native.silu_mul(gate, up)
+    assert (got == want).float().mean() > 0.999
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+    joint = torch.cat([gate, up], dim=-1)
+    assert torch.equal(native.silu_mul(*joint.split(width, dim=-1)), got)  # views of one projection
+
+
+def test_write_kv_fills_the_slots_and_refuses_one_outside_the_cache():
+    k_cache, v_cache = torch.zeros(2, 40, 3, 64, dtype=torch.bfloat16).unbind(0)
+    key, value = bf16(5, 3, 64, seed=1), bf16(5, 3, 64, seed=2)
+    slots = torch.tensor([7, 0, 39, 12, 13])
+    native.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots], key) and torch.equal(v_cache[slots], value)
+    assert not k_cache[1:7].any()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.write_kv(key, value, k_cache, v_cache, torch.tensor([1, 2, 3, 4, 40]))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_joint_linear_views_the_packed_weights_and_gives_each_modules_output(tiny_model_dir, rows):
+    """q, k and v (Qwen2's: with biases) as one matrix: the weights laid end to end, no copy. Few rows take one
+    kernel call, more rows each module; either way the outputs are the modules' own."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=torch.bfloat16).eval()
+    pack_linears(model, few_rows_native=True)
+    attention = model.model.layers[0].self_attn
+    modules = [attention.q_proj, attention.k_proj, attention.v_proj]
+    joint = JointLinear(modules)
+    assert joint.weight.data_ptr() == attention.q_proj.weight.data_ptr()
+    assert joint.weight.shape == (sum(m.out_features for m in modules), attention.q_proj.in_features)
+    x = bf16(rows, attention.q_proj.in_features, seed=rows)
+    with torch.inference_mode():
+        for got, module in zip(joint(x), modules, strict=True):
+            assert torch.equal(got, module(x))
+
+
+def test_joint_linear_of_weights_apart_runs_each_module():
+    first, second = torch.nn.Linear(64, 32).to(torch.bfloat16), torch.nn.Linear(64, 48).to(torch.bfloat16)
+    pack_linears(torch.nn.Sequential(first), few_rows_native=True)
+    pack_linears(torch.nn.Sequential(second), few_rows_native=True)
+    joint = JointLinear([first, second])
+    assert joint.weight is None
+    x = bf16(2, 64)
+    with torch.inference_mode():
+        assert [out.shape[-1] for out in joint(x)] == [32, 48]
+        assert torch.equal(joint(x)[1], second(x))
+
+
+@pytest.fixture(scope="module")
+def fused_models(tmp_path_factory):
+    """The tiny families, and a head_dim-64 Llama whose attention runs on the native kernels."""
+    root = tmp_path_factory.mktemp("fused")
+    models = {family: build_tiny_model(family, root / family) for family in ("llama", "qwen2", "mistral")}
+    models["llama-64"] = build_tiny_model("llama", root / "llama-64", hidden_size=384, num_attention_heads=6,
+                                          num_key_value_heads=2, head_dim=64)
+    return models
+
+
+def record_logits(engine) -> list[torch.Tensor]:
+    logits, execute = [], engine.runner.execute
+
+    def recorded(plan):
+        out = execute(plan)
+        logits.append(out[0].clone())
+        return out
+
+    engine.runner.execute = recorded
+    return logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "llama-64"])
+def test_fused_forward_gives_transformers_logits_at_every_step(fused_models, family):
+    """Two engines on one bf16 model, one fused and one on transformers' forward, fed the same requests (prompt
+    chunks of up to 40 rows, past the joint linears' few rows; decodes of several sequences; blocks of 4): every
+    step's logits are the same bits, and the fused engine never calls a transformers decoder layer."""
+    fused = engine_for(fused_models[family], dtype="bfloat16", block_size=4, max_num_seqs=4,
+                       max_num_batched_tokens=40)
+    plain = engine_for(fused_models[family], dtype="bfloat16", block_size=4, max_num_seqs=4,
+                       max_num_batched_tokens=40)
+    assert isinstance(fused.runner.fused, FusedDecoder)
+    plain.runner.fused = None
+    layer_calls = []
+    fused.runner.model.model.layers[0].register_forward_hook(lambda *args: layer_calls.append(1))
+    fused_logits, plain_logits = record_logits(fused), record_logits(plain)
+    for i, prompt in enumerate(random_prompts(6, seed=5, min_len=3, max_len=50)):
+        fused.add(f"r{i}", greedy(prompt, 10))
+        plain.add(f"r{i}", greedy(prompt, 10))
+    while fused.has_work():
+        fused.step()
+        plain.step()
+    assert not plain.has_work() and len(fused_logits) == len(plain_logits) > 10
+    for step, (got, want) in enumerate(zip(fused_logits, plain_logits)):
+        assert torch.equal(got, want), f"step {step}"
+    assert not layer_calls
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("gpt2", "bfloat16"), ("llama", "float32")])
+def test_other_models_and_dtypes_keep_transformers_forward(tiny_model_dir, family, dtype):
+    engine = engine_for(tiny_model_dir(family), dtype=dtype, max_num_seqs=2)
+    assert engine.runner.fused is None
+    engine.add("r", greedy([5, 6, 7], 4))
+    assert len(run_all(engine)["r"].token_ids) == 4
+
+
+def test_without_the_kernels_the_engine_keeps_transformers_forward(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(native, "_status", lambda build: (None, "building kernels/csrc failed: no compiler"))
+    engine = engine_for(tiny_model_dir("llama"), dtype="bfloat16", max_num_seqs=2)
+    assert engine.runner.fused is None
+    engine.add("r", greedy([5, 6, 7], 4))
+    assert len(run_all(engine)["r"].token_ids) == 4
