@@ -28,6 +28,21 @@ constexpr int ROWS = 16;   // query positions per tile
 constexpr int KEYS = 32;   // keys per step: one tile row of bf16 pairs
 constexpr int PAIRS = 16;  // dimension (or key) pairs per tile of 64-byte rows
 
+// e^x for x <= 0, to about 4e-5 relative: the attention weights it gives go to the values product in bf16
+// (8 bits of mantissa), so a degree-4 polynomial for 2^f on [-1/2, 1/2] serves where exp_ps needs degree 6 and a
+// two-part reduction. x below -88 gives ~0.
+inline __m512 weight_exp(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.618129e-3f);  // (ln 2)^k / k!, k = 4..0
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // One KV head's keys and values, copied out of the paged cache into the tile products' layouts: keys as
 // rows [position][dimension], values [step][dimension block of 16][16 key pairs x 16 dimensions x 2]. Keys
 // past `length` are zeros.
@@ -145,14 +160,21 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
         }
         _tile_stored(1, scores[0], ROWS * 4);
         _tile_stored(2, scores[16], ROWS * 4);
-        // Key k is seen by the positions at or after its own: lanes r >= k's position - first_pos.
+        // Key k is seen by the positions at or after its own: lanes r >= k's position - first_pos. A step
+        // whose every key precedes the tile's first position is seen whole, and skips the masks.
         const int64_t first_hidden = step * KEYS - first_pos;  // key 0 of the step, relative to lane 0
+        const bool seen_whole = first_hidden + KEYS - 1 <= 0;
         __m512 s[KEYS];
         __m512 step_max = _mm512_set1_ps(-INFINITY);
         for (int k = 0; k < KEYS; k++) {
-          const __mmask16 seen = _mm512_cmp_epi32_mask(lanes, _mm512_set1_epi32(static_cast<int>(
-                                                         std::clamp<int64_t>(first_hidden + k, -1, ROWS))), _MM_CMPINT_NLT);
-          s[k] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_load_ps(scores[k]), _mm512_set1_ps(sc));
+          if (seen_whole) {
+            s[k] = _mm512_mul_ps(_mm512_load_ps(scores[k]), _mm512_set1_ps(sc));
+          } else {
+            const __mmask16 seen = _mm512_cmp_epi32_mask(
+                lanes, _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(first_hidden + k, -1, ROWS))),
+                _MM_CMPINT_NLT);
+            s[k] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_load_ps(scores[k]), _mm512_set1_ps(sc));
+          }
           step_max = _mm512_max_ps(step_max, s[k]);
         }
         const __m512 m_new = _mm512_max_ps(m, step_max);  // finite: every position saw key 0, in step 0
@@ -160,10 +182,11 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
         __m512 sum = _mm512_setzero_ps();
         __m512i pairs[PAIRS], weight_rows[PAIRS];
         for (int k = 0; k < KEYS; k += 2) {
-          const __mmask16 seen0 = _mm512_cmp_ps_mask(s[k], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-          const __mmask16 seen1 = _mm512_cmp_ps_mask(s[k + 1], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-          const __m512 p0 = _mm512_maskz_mov_ps(seen0, exp_ps(_mm512_sub_ps(s[k], m_new)));
-          const __m512 p1 = _mm512_maskz_mov_ps(seen1, exp_ps(_mm512_sub_ps(s[k + 1], m_new)));
+          __m512 p0 = weight_exp(_mm512_sub_ps(s[k], m_new)), p1 = weight_exp(_mm512_sub_ps(s[k + 1], m_new));
+          if (!seen_whole) {
+            p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[k], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p0);
+            p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[k + 1], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p1);
+          }
           sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
           pairs[k / 2] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
