@@ -152,12 +152,13 @@ def test_a_tenants_small_batch_is_not_stuck_behind_anothers_large_one(pool):
     a, b = sdk(base, KEY_A), sdk(base, KEY_B)
     large = create_batch(a, 100)
     wait_for(lambda: completed(a, large) >= 2 * SLOTS, BATCH_END_S, "the large batch to run")
-    at_start = completed(a, large)
     small = create_batch(b, 10)
-    wait_done(b, small)
+    at_start = completed(a, large)  # B's lines wait in the queue from here on
+    wait_for(lambda: completed(b, small) == 10, BATCH_END_S, "the small batch's lines")
     ran = completed(a, large) - at_start
     # Scaled from the 80 of A's lines at 32 slots: the lines in flight, then about one of A's per line of B's.
     assert ran <= 2 * 2 * SLOTS + 10 + 8, f"A completed {ran} lines while B's 10 ran"
+    wait_done(b, small)
     assert a.batches.retrieve(large).status == "in_progress"
     wait_done(a, large)
 
