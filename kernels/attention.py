@@ -140,7 +140,7 @@ def _tokens_contiguous(x: torch.Tensor) -> bool:
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys and values `[T, kv_heads, head_dim]` at their cache slots."""
-    if (k_cache.dtype == key.dtype == value.dtype == torch.bfloat16 and k_cache.is_cpu and native.load() is not None
+    if (k_cache.dtype == key.dtype == value.dtype and k_cache.is_cpu and native.loaded() is not None
             and _tokens_contiguous(key) and _tokens_contiguous(value)):
         native.write_kv(key, value, k_cache, v_cache, slot_mapping)
         return

@@ -9,11 +9,12 @@ the places of a bf16 step where torch's own kernels fall short:
 - on AMX, prefill attention (`amx_prefill`), where torch's flash kernel spends most of its time outside the
   matmuls;
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
-  transformers' modules make 3 to 27 torch ops (`workers.fused_decoder`), and the cache write of a step's
-  keys and values (`write_kv`).
+  transformers' modules make 3 to 27 torch ops (`workers.fused_decoder`).
 On an AVX2 CPU without AVX-512 (`FP32`), where `dtype auto` picks fp32, `fp32_linear` takes a decode step's
-linears (up to 32 rows), which MKL reads at well below the memory's pace there. Where AVX-512 exists, MKL's own
-AVX-512 kernels keep fp32: the AVX2 kernel was measured against MKL's AVX2 paths only.
+linears (up to 32 rows), which MKL reads at well below the memory's pace there; `paged_decode` and the layer
+ops but `silu_mul` run in fp32. Where AVX-512 exists, MKL's own AVX-512 kernels keep fp32: the AVX2 kernel was measured
+against MKL's AVX2 paths only. Either build writes a step's keys and values to the cache (`write_kv`), in any
+dtype.
 
 `load()` builds an extension with torch's C++ toolchain (about 25 s, once per machine and torch version,
 cached under `~/.cache/torch_extensions`) and returns None, with the reason logged once, where it cannot:
@@ -62,14 +63,20 @@ class Build:
     compile_flags: tuple[str, ...]
 
 
-BF16 = Build("bf16", "batcher_cpu_kernels", ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp", "layer_ops.cpp"),
-             ("common.h",),
+BF16 = Build("bf16", "batcher_cpu_kernels",
+             ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp", "layer_ops.cpp", "kv_write.cpp"),
+             ("common.h", "row_cursor.h", "torch_sum.h"),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
               f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
-FP32 = Build("fp32", "batcher_fp32_kernels", ("fp32_linear.cpp",), (), ("avx2", "fma"), ("avx512f",),
-             ("-O3", "-mavx2", "-mfma", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}"))
+FP32 = Build("fp32", "batcher_fp32_kernels",
+             ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),
+             ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"), ("avx512f",),
+             # no FMA contraction: the layer ops round each product as torch's ops do (the kernels' FMAs are
+             # written out)
+             ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
+              f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 
 
 class Unavailable(Exception):
@@ -135,24 +142,30 @@ def unavailable_reason(build: Build = BF16) -> str | None:
     return _status(build)[1]
 
 
+def build_for(dtype: torch.dtype) -> Build:
+    """The build whose `paged_decode` and layer ops (`rms_norm`, `add_rms_norm`, `rotary_`) take `dtype`."""
+    return FP32 if dtype == torch.float32 else BF16
+
+
 def why_not(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the kernels cannot serve a model of these shapes on `device` in `dtype`, or None when they can."""
     if device.type != "cpu":
         return f"they run on a CPU, not {device.type}"
-    if dtype != torch.bfloat16:
-        return f"they run in bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"they run in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
     if heads % kv_heads or heads // kv_heads > MAX_QUERY_HEADS_PER_KV_HEAD:
         return f"{heads} query heads over {kv_heads} KV heads (at most {MAX_QUERY_HEADS_PER_KV_HEAD} per KV head)"
-    return unavailable_reason()
+    return unavailable_reason(build_for(dtype))
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scaling: float) -> torch.Tensor:
-    """Decode attention `query [B, H, D]` over the paged cache: sequence b's keys are its first
+    """Decode attention `query [B, H, D]`, bf16 or fp32, over the paged cache: sequence b's keys are its first
     `context_lens[b]` positions, in blocks `block_tables[b]` (padding past them is never read)."""
-    return load().paged_decode(query, k_cache, v_cache, block_tables, context_lens, block_size, scaling)
+    return load(build_for(query.dtype)).paged_decode(query, k_cache, v_cache, block_tables, context_lens, block_size,
+                                                     scaling)
 
 
 def cpu_has_amx() -> bool:
@@ -189,20 +202,20 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm of each row of bf16 `x [..., H]`, `weight [H]`."""
-    return load().rms_norm(x, weight, eps)
+    """Llama's RMSNorm of each row of bf16 or fp32 `x [..., H]`, `weight [H]`."""
+    return load(build_for(x.dtype)).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`residual += delta` in place, then `rms_norm(residual, weight, eps)`: a decoder's residual add and the
     norm after it."""
-    return load().add_rms_norm(residual, delta, weight, eps)
+    return load(build_for(residual.dtype)).add_rms_norm(residual, delta, weight, eps)
 
 
 def rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate `query [T, H, D]` and `key [T, Hkv, D]` in place by the rotary module's `cos` and `sin [T, D]`,
     as transformers' `apply_rotary_pos_emb` does."""
-    load().rotary_(query, key, cos, sin)
+    load(build_for(query.dtype)).rotary_(query, key, cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -210,10 +223,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return load().silu_mul(gate, up)
 
 
+def loaded() -> Build | None:
+    """The build that runs on this CPU (at most one does), or None."""
+    return next((build for build in (BF16, FP32) if load(build) is not None), None)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """`k_cache[slot_mapping] = key` and the same for values, bf16 `[T, kv_heads, head_dim]`."""
-    load().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    """`k_cache[slot_mapping] = key` and the same for values `[T, kv_heads, head_dim]`, of the caches' dtype;
+    where `loaded()`."""
+    load(loaded()).write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

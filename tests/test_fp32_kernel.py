@@ -1,7 +1,8 @@
-"""The fp32 CPU kernel (`native.fp32_linear`) against torch's reference, and the engine's fp32 linears on it.
+"""The fp32 CPU kernels (`native.fp32_linear`, `native.paged_decode` in fp32) against torch's reference, and an
+fp32 engine on them. (The layer ops are tests/test_fused_decoder.py's.)
 
-It runs only on an AVX2 CPU without AVX-512 (elsewhere MKL keeps fp32 and the kernel's tests skip); a CPU that
-qualifies but fails to build it fails here.
+They run only on an AVX2 CPU without AVX-512 (elsewhere MKL and torch's attention keep fp32 and these tests
+skip); a CPU that qualifies but fails to build them fails here.
 """
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.attention import decode_attention
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
+from tests.tiny_models import build_tiny_model
 from workers.packed_linear import FewRowsLinear, route_fp32_linears
 
 FLAGS = native.cpu_flags()
@@ -113,3 +116,100 @@ def test_an_fp32_engine_runs_its_linears_on_the_kernel_and_keeps_greedy_tokens(t
     finals = run_all(engine)
     for i, prompt in enumerate(prompts):
         assert finals[f"r{i}"].token_ids == reference_tokens(tiny_model_dir(family), prompt, 12)
+
+
+def scattered_cache(lengths, block_size, kv_heads, head_dim, seed=0):
+    """An fp32 cache and block tables whose blocks are shuffled, so no sequence's keys are contiguous."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in lengths]
+    blocks = torch.randperm(sum(needed) + 3, generator=generator)
+    width = max(needed)
+    tables, start = [], 0
+    for count in needed:
+        tables.append(blocks[start : start + count].tolist() + [0] * (width - count))  # padding: never read
+        start += count
+    shape = ((sum(needed) + 3) * block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator), torch.tensor(tables)
+
+
+def decode_reference(query, k_cache, v_cache, tables, lens, block_size, scaling):
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(len(lens), -1)
+    return decode_attention(query.double(), k_cache.double(), v_cache.double(), slots, lens, scaling)
+
+
+@served_here
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4), (16, 2)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_paged_decode_matches_float64(head_dim, heads, kv_heads, block_size):
+    lengths = [1, 7, 8, 9, 17, 33, 300]  # within, at and past a tile of 8 keys, and many tiles
+    k_cache, v_cache, tables = scattered_cache(lengths, block_size, kv_heads, head_dim)
+    query = torch.randn(len(lengths), heads, head_dim)
+    lens = torch.tensor(lengths)
+    got = native.paged_decode(query, k_cache, v_cache, tables, lens, block_size, head_dim**-0.5)
+    assert got.dtype == torch.float32 and got.shape == query.shape
+    want = decode_reference(query, k_cache, v_cache, tables, lens, block_size, head_dim**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@served_here
+def test_paged_decode_reads_a_query_laid_out_as_the_model_gives_it():
+    k_cache, v_cache, tables = scattered_cache([40, 7], 16, 2, 64)
+    query = torch.randn(1, 6, 2, 64)[0].transpose(0, 1)  # [2, 6, 64], not contiguous
+    lens = torch.tensor([40, 7])
+    got = native.paged_decode(query, k_cache, v_cache, tables, lens, 16, 0.125)
+    assert torch.equal(got, native.paged_decode(query.contiguous(), k_cache, v_cache, tables, lens, 16, 0.125))
+
+
+@served_here
+def test_paged_decode_refuses_what_it_cannot_read():
+    k_cache, v_cache, tables = scattered_cache([20], 16, 2, 64)
+    query = torch.randn(1, 6, 64)
+    with pytest.raises(RuntimeError, match="head_dim 64 and 128, not 80"):
+        native.paged_decode(torch.zeros(1, 2, 80), *scattered_cache([5], 16, 2, 80), torch.tensor([5]), 16, 0.1)
+    with pytest.raises(RuntimeError, match="not covered by its 2 blocks"):
+        native.paged_decode(query, k_cache, v_cache, tables, torch.tensor([33]), 16, 0.1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.paged_decode(query, k_cache, v_cache, tables + 100, torch.tensor([20]), 16, 0.1)
+    with pytest.raises(RuntimeError, match="1 to 8 query heads per KV head, not 18 over 2"):
+        native.paged_decode(torch.randn(1, 18, 64), k_cache, v_cache, tables, torch.tensor([20]), 16, 0.1)
+    assert native.why_not(torch.device("cpu"), torch.float32, 9, 3, 64) is None
+    assert native.why_not(torch.device("cpu"), torch.float16, 9, 3, 64) == "they run in bfloat16 or float32, not float16"
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp32-head-dim-64")
+    shape = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    return {family: build_tiny_model(family, root / family, **shape) for family in ("llama", "mistral")}
+
+
+@served_here
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_an_fp32_engine_decodes_on_the_kernel_and_keeps_greedy_tokens(head_dim_64_models, family, monkeypatch):
+    """`auto` picks the cpu backend in fp32 here. In a real engine run (chunked prefill, blocks of 4, several
+    sequences), every call of the decode kernel gets the step's decodes and answers what the reference computes
+    from the same cache, and the greedy tokens are `model.generate`'s. Mistral's sliding window keeps the
+    reference paths."""
+    calls, kernel = [], native.paged_decode
+
+    def checked(query, k_cache, v_cache, tables, lens, block_size, scaling):
+        got = kernel(query, k_cache, v_cache, tables, lens, block_size, scaling)
+        want = decode_reference(query, k_cache, v_cache, tables, lens, block_size, scaling)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        calls.append(len(lens))
+        return got
+
+    monkeypatch.setattr(native, "paged_decode", checked)
+    engine = engine_for(head_dim_64_models[family], block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    assert engine.runner.native_decode and not engine.runner.native_prefill
+    prompts = random_prompts(6, seed=11, min_len=5, max_len=60)
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", greedy(prompt, 12))
+    finals = run_all(engine)
+    for i, prompt in enumerate(prompts):
+        assert finals[f"r{i}"].token_ids == reference_tokens(head_dim_64_models[family], prompt, 12)
+    if family == "llama":
+        assert max(calls) == 4  # the four slots' decodes in one call per layer
+    else:
+        assert not calls

@@ -2,10 +2,10 @@
 
 `torch` (kernels.attention) runs anywhere and is the reference. `triton` (kernels.triton_attention) is
 one launch per layer per step, for CUDA; on a CPU it runs only under the Triton interpreter, which is how
-the tests check it. `cpu` is `torch` with decodes on the bf16 AVX-512 kernel of `kernels.native` (one call
-per layer reads every decode's keys from the paged cache) and, where the CPU has AMX, prompt chunks on its AMX
-kernel. `auto` takes triton on CUDA, cpu where its kernels serve the model (a bf16 model on a CPU with AVX-512
-BF16), and torch elsewhere. FlashInfer or flash-attn
+the tests check it. `cpu` is `torch` with decodes on the decode kernel of `kernels.native` (one call per layer
+reads every decode's keys from the paged cache: bf16 on AVX-512 BF16, fp32 on AVX2 without AVX-512) and, in
+bf16 where the CPU has AMX, prompt chunks on its AMX kernel. `auto` takes triton on CUDA, cpu where its kernels
+serve the model, and torch elsewhere. FlashInfer or flash-attn
 could be further backends through their paged-KV APIs; none is offered yet.
 """
 
@@ -46,7 +46,7 @@ def resolve_attention_backend(name: str, device: torch.device, why_not_cpu: str 
             chosen, note = ATTENTION_CPU, ""
         else:
             chosen = ATTENTION_TORCH
-            note = " (triton is not installed)" if device.type == "cuda" else f" (no bf16 CPU kernel: {why_not_cpu})"
+            note = " (triton is not installed)" if device.type == "cuda" else f" (no CPU kernel: {why_not_cpu})"
         log.info("attention backend auto: %s on %s%s", chosen, device.type, note)
         return chosen
     if name == ATTENTION_CPU:

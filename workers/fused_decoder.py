@@ -1,4 +1,4 @@
-"""A bf16 CPU forward for Llama-shaped decoders that runs each layer in about a dozen calls.
+"""A CPU forward for Llama-shaped decoders, in bf16 or fp32, that runs each layer in about a dozen calls.
 
 transformers' modules run one decoder layer as about 83 torch ops and a stack of Python frames: RMSNorm alone
 is 27 ops, then the rotary embedding, the MLP's activation, the residual adds, the cache writes, decorators and
@@ -7,12 +7,13 @@ arithmetic: about a quarter of a lone SmolLM2 step. This forward keeps the model
 well (the embedding, the rotary module's cos and sin, the linears, and the LM head), calls q, k and v as one
 linear and gate and up as another at a decode step's few rows (`JointLinear`), and runs the rest as
 `kernels.native`'s layer ops: one call per norm with the residual add folded in, one for the rotary embedding
-of queries and keys, one for SiLU(gate) * up. Those round to bf16 wherever the modules' torch ops do, so the
-logits are the bits of transformers' forward (tests/test_fused_decoder.py checks every step of an engine).
+of queries and keys, and in bf16 one for SiLU(gate) * up (fp32 keeps torch's SiLU, whose exp the kernels cannot
+match bit for bit). Those round wherever the modules' torch ops do, so the logits are the bits of transformers'
+forward (tests/test_fused_decoder.py checks every step of an engine, in both dtypes).
 
-It serves the families whose decoder layer is Llama's (`FAMILIES`) with a SiLU MLP, in bf16 on a CPU where the
-kernels load; any other model keeps transformers' forward. A compiled forward (`EngineConfig.compile`) keeps
-its own graph.
+It serves the families whose decoder layer is Llama's (`FAMILIES`) with a SiLU MLP, in bf16 or fp32 on a CPU
+where the kernels of that dtype load (`kernels.native.build_for`); any other model keeps transformers'
+forward. A compiled forward (`EngineConfig.compile`) keeps its own graph.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ FAMILIES: dict[str, Callable[[torch.nn.Module], int | None]] = {
     "qwen2": lambda attention: attention.sliding_window,
 }
 SILU_NAMES = ("silu", "swish")
+DTYPES = (torch.bfloat16, torch.float32)  # those of kernels.native's layer ops
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up  # the MLP's own ops, for fp32's bits
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class FusedDecoder:
         self.final_norm = decoder.norm.weight
         self.final_eps = decoder.norm.variance_epsilon
         self.lm_head = model.lm_head
+        self.silu_mul = native.silu_mul if model.dtype == torch.bfloat16 else _silu_mul
         self.layers = [_layer(layer, config, sliding_window) for layer in decoder.layers[: config.num_hidden_layers]]
 
     @classmethod
@@ -99,7 +106,7 @@ class FusedDecoder:
             attended = attend(query, key, value, metadata, layer.index, layer.scaling, layer.sliding_window)
             x = native.add_rms_norm(hidden, layer.o_proj(attended.reshape(tokens, -1)), layer.post_attention_norm,
                                     layer.eps)
-            delta = layer.down_proj(native.silu_mul(*layer.gate_up_proj(x)))
+            delta = layer.down_proj(self.silu_mul(*layer.gate_up_proj(x)))
         kept = native.add_rms_norm(hidden[last_rows], delta[last_rows], self.final_norm, self.final_eps)
         return self.lm_head(kept)
 
@@ -118,8 +125,8 @@ def _layer(layer: torch.nn.Module, config, sliding_window: Callable[[torch.nn.Mo
 def why_not(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the fused forward cannot run `model` on `device` in `dtype`, or None when it can."""
     config = model.config.get_text_config()
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return f"the fused layers run in bfloat16 on a CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
+    if device.type != "cpu" or dtype not in DTYPES:
+        return f"the fused layers run in bfloat16 or float32 on a CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
     if config.model_type not in FAMILIES:
         return f"the fused layers know {', '.join(FAMILIES)}, not {config.model_type}"
     if getattr(config, "hidden_act", None) not in SILU_NAMES:
@@ -128,4 +135,4 @@ def why_not(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) ->
         layer.post_attention_layernorm for layer in model.model.layers]
     if len({norm.variance_epsilon for norm in norms}) != 1:
         return "the layers' norms differ in epsilon"
-    return native.unavailable_reason()
+    return native.unavailable_reason(native.build_for(dtype))

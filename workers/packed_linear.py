@@ -104,15 +104,18 @@ def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
 
 class JointLinear:
     """Linears that read one input (a layer's q, k and v projections; gate and up) as one kernel call at a
-    decode step's few rows. `pack_linears` lays their weights end to end, and their AMX tile copies too, so
-    those are one matrix already: this views them as one, with no copy. At more rows, and where the weights
-    do not lie so, each module runs on its own. Returns one output per module (at few rows, views of one)."""
+    decode step's few rows. `pack_linears` and `route_fp32_linears` lay their weights end to end, and the AMX
+    tile copies too, so those are one matrix already: this views them as one, with no copy. Each output is its
+    own dot product in those kernels, so the joint call gives each module's bits. At more rows, and where the
+    weights do not lie so, each module runs on its own. Returns one output per module (at few rows, views of
+    one)."""
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.modules = modules
         self.sizes = [module.out_features for module in modules]
         packed = all(isinstance(module, PackedLinear) and module.small_rows for module in modules)
-        self.weight = _one_matrix([module.weight for module in modules]) if packed else None
+        self.fp32 = all(isinstance(module, FewRowsLinear) for module in modules)
+        self.weight = _one_matrix([module.weight for module in modules]) if packed or self.fp32 else None
         tiles_join = packed and all(module.tile_weight is not None
                                     and module.out_features % native.AMX_TILE_COLUMNS == 0 for module in modules)
         self.tile_weight = _one_matrix([module.tile_weight for module in modules]) if tiles_join else None
@@ -123,7 +126,11 @@ class JointLinear:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.numel() // x.shape[-1]
-        if self.weight is not None and (_on_amx(rows, self.tile_weight) or _on_small_linear(rows, True)):
+        if self.weight is None:
+            return [module(x) for module in self.modules]
+        if self.fp32 and _on_fp32_linear(rows):
+            return native.fp32_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        if not self.fp32 and (_on_amx(rows, self.tile_weight) or _on_small_linear(rows, True)):
             return _multiply(x, self.weight, None, self.tile_weight, True, self.bias).split(self.sizes, dim=-1)
         return [module(x) for module in self.modules]
 
@@ -146,12 +153,15 @@ def fp32_rows_native(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and native.load(native.FP32) is not None
 
 
+def _on_fp32_linear(rows: int) -> bool:
+    return 0 < rows <= native.FP32_LINEAR_MAX_ROWS
+
+
 class FewRowsLinear(torch.nn.Linear):
     """An fp32 `nn.Linear` whose inputs of up to FP32_LINEAR_MAX_ROWS rows take `native.fp32_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if 0 < rows <= native.FP32_LINEAR_MAX_ROWS and not torch.compiler.is_compiling():
+        if _on_fp32_linear(x.numel() // self.in_features) and not torch.compiler.is_compiling():
             return native.fp32_linear(x, self.weight, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)  # what a compiled forward traces
 

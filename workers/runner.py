@@ -80,7 +80,8 @@ class ModelRunner:
                                             native.why_not(self.device, self.dtype, heads, kv_heads, head_dim))
         self.flat_attention = backend == ATTENTION_TRITON
         self.native_decode = backend == ATTENTION_CPU
-        self.native_prefill = self.native_decode and native.has_amx()  # its head_dims are the decode kernel's
+        # the AMX prefill kernel is bf16's; its head_dims are the decode kernel's
+        self.native_prefill = self.native_decode and self.dtype == torch.bfloat16 and native.has_amx()
         if can_pack(self.device, self.dtype):
             few_rows_native = native.load() is not None
             log.info("packed %d linear weights for oneDNN%s", pack_linears(self.model, few_rows_native),

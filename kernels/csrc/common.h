@@ -1,11 +1,13 @@
-// What the kernels of kernels/csrc share: their limits (set by kernels/native.py), tensor checks, the walk of a
-// sequence's cache rows, and AVX-512 and AMX helpers.
+// What the bf16 build's kernels share: their limits (set by kernels/native.py), tensor checks, the walk of a
+// sequence's cache rows (row_cursor.h), and AVX-512 and AMX helpers.
 #pragma once
 
 #include <torch/extension.h>
 #include <immintrin.h>
 
 #include <cstdint>
+
+#include "row_cursor.h"
 
 namespace batcher {
 
@@ -21,20 +23,6 @@ inline void check_bf16(const torch::Tensor& t, const char* name) {
 inline const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
 inline uint16_t* bf16_data(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
-
-// Walks a sequence's positions in order, giving each one's cache row without a division per position.
-struct RowCursor {
-  const int64_t* table;
-  int64_t block_size, block = 0, offset = 0;
-  int64_t next() {
-    const int64_t row = table[block] * block_size + offset;
-    if (++offset == block_size) {
-      offset = 0;
-      block++;
-    }
-    return row;
-  }
-};
 
 // e^x for x <= 0 (Cephes' polynomial, to within 2 ulp); x below -88 gives ~0.
 inline __m512 exp_ps(__m512 x) {

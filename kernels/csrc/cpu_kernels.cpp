@@ -1,5 +1,5 @@
 // bf16 decode kernels for CPUs with AVX-512 BF16 (kernels/native.py builds and loads this file with
-// amx_linear.cpp, amx_prefill.cpp and layer_ops.cpp, whose functions it binds too).
+// amx_linear.cpp, amx_prefill.cpp, layer_ops.cpp and kv_write.cpp, whose functions it binds too).
 //
 // - paged_decode: one query token per sequence attends to its keys straight from the paged cache
 //   (through its block table: no gather, no padding, no mask), the query heads of a KV head reading
@@ -263,6 +263,7 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
                           int64_t ctx_start, int64_t block_size, double scale);
 // layer_ops.cpp
 void bind_layer_ops(pybind11::module& m);
+void bind_kv_write(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "bf16 decode attention over the paged KV cache");
@@ -272,4 +273,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "bf16 x @ W.T + b for up to 32 rows of x, on AMX");
   m.def("amx_prefill", &amx_prefill, "causal bf16 attention of a prompt chunk over its paged keys, on AMX");
   bind_layer_ops(m);
+  bind_kv_write(m);
 }

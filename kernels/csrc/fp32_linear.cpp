@@ -1,4 +1,5 @@
-// The fp32 CPU kernel (AVX2 and FMA), for CPUs where `dtype auto` picks fp32 (their bf16 matmuls are slow).
+// The fp32 CPU kernels (AVX2 and FMA), for CPUs where `dtype auto` picks fp32 (their bf16 matmuls are slow). This
+// file binds the build's module: with fp32_layer_ops.cpp, fp32_decode.cpp and kv_write.cpp.
 //
 // fp32_linear: x @ W.T + b for a few rows of x, streaming W once. A decode step's linears have a few rows and
 // must read every weight once; MKL's fp32 kernels read them well below the memory's pace at those sizes (on an
@@ -13,22 +14,17 @@
 
 #include <cstdint>
 
+#include "avx2.h"
+
 namespace {
+
+using batcher::check_fp32;
+using batcher::hsum;
+using batcher::tail_mask;
 
 constexpr int X_ROWS = 2;       // rows of x per pass over W_ROWS of W's rows: 12 accumulators, 6 weight vectors, 1 of x
 constexpr int W_ROWS = 6;       // W's rows read side by side (the best of 1 to 8, with 1 to 16 rows of x)
 constexpr int64_t GRAIN = 96;   // W's rows per task where torch runs several threads
-
-inline float sum8(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
-// Lanes 0..n-1 set, for the last (n < 8) columns of a row.
-inline __m256i tail_mask(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 
 // y[r][n + j] for R rows of x (r < R) and W's rows n + j (j < WN).
 template <int R, int WN>
@@ -52,7 +48,7 @@ inline void dot_rows(const float* x, const float* w, int64_t K, float* y, int64_
     step(k, [mask](const float* p) { return _mm256_maskload_ps(p, mask); });
   }
   for (int r = 0; r < R; r++)
-    for (int j = 0; j < WN; j++) y[r * N + n + j] = sum8(acc[r][j]) + (bias ? bias[n + j] : 0.0f);
+    for (int j = 0; j < WN; j++) y[r * N + n + j] = hsum(acc[r][j]) + (bias ? bias[n + j] : 0.0f);
 }
 
 // Every row of x against W's rows n..n+WN-1, which stay in the cache between passes.
@@ -66,11 +62,8 @@ void all_rows(const float* x, int64_t rows, const float* w, int64_t K, float* y,
 }
 
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  auto check = [](const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be an fp32 CPU tensor");
-  };
-  check(x, "x");
-  check(weight, "weight");
+  check_fp32(x, "x");
+  check_fp32(weight, "weight");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous matrix");
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
@@ -81,7 +74,7 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const float* b = nullptr;
   if (bias.has_value()) {
     bias_c = bias->contiguous();
-    check(bias_c, "bias");
+    check_fp32(bias_c, "bias");
     TORCH_CHECK(bias_c.numel() == N, "bias has ", bias_c.numel(), " values, the weight ", N, " rows");
     b = bias_c.data_ptr<float>();
   }
@@ -106,6 +99,13 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
 
 }  // namespace
 
+void bind_fp32_layer_ops(pybind11::module& m);
+void bind_fp32_decode(pybind11::module& m);
+void bind_kv_write(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_linear", &fp32_linear, "fp32 x @ W.T + b for a few rows of x");
+  bind_fp32_layer_ops(m);
+  bind_fp32_decode(m);
+  bind_kv_write(m);
 }

@@ -2,8 +2,7 @@
 // run 3 to 27 torch ops (workers/fused_decoder.py calls them):
 // - rms_norm, and add_rms_norm (the residual add before it, in place);
 // - rotary_, the rotary embedding of a step's queries and keys, in place;
-// - silu_mul, the MLP's SiLU(gate) * up;
-// - write_kv, a step's keys and values into the paged cache.
+// - silu_mul, the MLP's SiLU(gate) * up.
 // Each rounds to bf16 wherever the modules' torch ops do, and RMSNorm adds its squares in torch's order, so the
 // results are theirs bit for bit; only SiLU's exp is computed another way (within 2 ulp of fp32, which changes a
 // bf16 result only where it lies on a rounding edge).
@@ -15,9 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "common.h"
+#include "torch_sum.h"
 
 namespace {
 
@@ -45,51 +44,20 @@ void check_rows(const torch::Tensor& t, const char* name, int64_t width) {
   TORCH_CHECK(t.dim() >= 1 && t.size(-1) == width, name, " must end in ", width, " features, not ", t.sizes());
 }
 
-// The sum of one row's squares, added in the order of torch's CPU sum (SumKernel.cpp's cascade over vectors of
-// 8 floats, its AVX2 build, which ATen runs on AVX-512 CPUs too: four accumulators over the row's vectors in
-// turn, gathered in levels of 16 such steps; then the scalar tail, then the lanes), so that the norm's variance,
-// and with it every bf16 result, is the one `x.pow(2).mean(-1)` gives.
+// The sum of one row's squares in the order of torch's CPU sum, so that the norm's variance, and with it every
+// bf16 result, is the one `x.pow(2).mean(-1)` gives.
 float sum_of_squares(const uint16_t* x, int64_t H) {
-  constexpr int LANES = 8, LEVELS = 4, ILP = 4;
-  const int64_t vectors = H / LANES, steps = vectors / ILP;
-  const int64_t ceil_log2 = steps <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(steps - 1));
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / LEVELS), level_step = int64_t{1} << level_power;
-  const auto square = [&](int64_t v) {
-    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + LANES * v))), 16));
-    return _mm256_mul_ps(a, a);
-  };
-  __m256 acc[LEVELS][ILP];
-  for (auto& level : acc)
-    for (auto& a : level) a = _mm256_setzero_ps();
-  int64_t i = 0;
-  while (i + level_step <= steps) {
-    for (int64_t j = 0; j < level_step; j++, i++)
-      for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square(ILP * i + k));
-    for (int j = 1; j < LEVELS; j++) {
-      for (int k = 0; k < ILP; k++) {
-        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
-        acc[j - 1][k] = _mm256_setzero_ps();
-      }
-      if ((i & ((level_step - 1) << (j * level_power))) != 0) break;
-    }
-  }
-  for (; i < steps; i++)
-    for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square(ILP * i + k));
-  for (int j = 1; j < LEVELS; j++)
-    for (int k = 0; k < ILP; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
-  for (int64_t v = steps * ILP; v < vectors; v++) acc[0][0] = _mm256_add_ps(acc[0][0], square(v));
-  __m256 lanes_sum = acc[0][0];
-  for (int k = 1; k < ILP; k++) lanes_sum = _mm256_add_ps(lanes_sum, acc[0][k]);
-  float total = 0.0f;
-  for (int64_t k = vectors * LANES; k < H; k++) {
-    const float v = static_cast<float>(c10::BFloat16(x[k], c10::BFloat16::from_bits()));
-    total += v * v;
-  }
-  alignas(32) float lane[LANES];
-  _mm256_store_ps(lane, lanes_sum);
-  for (float v : lane) total += v;
-  return total;
+  return batcher::torch_order_sum(
+      H,
+      [x](int64_t v) {
+        const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * v))), 16));
+        return _mm256_mul_ps(a, a);
+      },
+      [x](int64_t k) {
+        const float v = static_cast<float>(c10::BFloat16(x[k], c10::BFloat16::from_bits()));
+        return v * v;
+      });
 }
 
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)), the formula of Llama's RMSNorm, for one row.
@@ -226,39 +194,6 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   return out;
 }
 
-// key and value [T, Hkv, D] (each token's values contiguous) into the caches' rows slot_mapping[t]; one call
-// for both, where two index_copy_ calls cost ~11 us each at a decode step's few rows.
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping) {
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes(), "the caches must be contiguous, [rows, kv_heads, head_dim]");
-  check_bf16(k_cache, "k_cache");
-  check_bf16(v_cache, "v_cache");
-  const int64_t width = k_cache.size(1) * k_cache.size(2), T = key.size(0);
-  check_tokens(key, "key", 3, k_cache.size(2));
-  check_tokens(value, "value", 3, k_cache.size(2));
-  TORCH_CHECK(key.size(1) == k_cache.size(1) && value.size(1) == k_cache.size(1),
-              "key and value must have the cache's heads");
-  TORCH_CHECK(value.size(0) == T && slot_mapping.numel() == T && slot_mapping.scalar_type() == torch::kLong,
-              "slot_mapping must give one int64 slot per token");
-  const auto slots = slot_mapping.contiguous();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t rows = k_cache.size(0);
-  for (int64_t t = 0; t < T; t++)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < rows, "slot ", slot[t], " is outside the cache");
-  const uint16_t* kp = bf16_data(key);
-  const uint16_t* vp = bf16_data(value);
-  uint16_t* kc = bf16_data(k_cache);
-  uint16_t* vc = bf16_data(v_cache);
-  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
-  at::parallel_for(0, T, ROWS_PER_TASK * 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      std::memcpy(kc + slot[t] * width, kp + t * k_stride, width * sizeof(uint16_t));
-      std::memcpy(vc + slot[t] * width, vp + t * v_stride, width * sizeof(uint16_t));
-    }
-  });
-}
-
 }  // namespace
 
 void bind_layer_ops(pybind11::module& m) {
@@ -266,5 +201,4 @@ void bind_layer_ops(pybind11::module& m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then the RMSNorm of the residual");
   m.def("rotary_", &rotary_, "the rotary embedding of queries and keys, in place");
   m.def("silu_mul", &silu_mul, "bf16 SiLU(gate) * up");
-  m.def("write_kv", &write_kv, "a step's bf16 keys and values into their cache rows");
 }
