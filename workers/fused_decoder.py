@@ -126,7 +126,8 @@ def why_not(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) ->
     """Why the fused forward cannot run `model` on `device` in `dtype`, or None when it can."""
     config = model.config.get_text_config()
     if device.type != "cpu" or dtype not in DTYPES:
-        return f"the fused layers run in bfloat16 or float32 on a CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
+        name = str(dtype).removeprefix("torch.")
+        return f"the fused layers run in bfloat16 or float32 on a CPU, not {name} on {device.type}"
     if config.model_type not in FAMILIES:
         return f"the fused layers know {', '.join(FAMILIES)}, not {config.model_type}"
     if getattr(config, "hidden_act", None) not in SILU_NAMES:

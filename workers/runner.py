@@ -5,13 +5,13 @@ sequence's new tokens into one row with explicit positions and cache slots, and 
 logits of the sequences that sample this step.
 
 Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
-same, with all decodes in one group for `kernels.native`'s kernel, and prompt chunks on its AMX kernel where
-the CPU has AMX), or the Triton one (flat arrays, `kernels.triton_attention`), as
+same, with all decodes in one group for `kernels.native`'s kernel, and in bf16 prompt chunks on its AMX kernel
+where the CPU has AMX), or the Triton one (flat arrays, `kernels.triton_attention`), as
 `EngineConfig.attention_backend` resolves.
 
 How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
-(`workers.packed_linear`), and a decode step's few rows on `kernels.native`'s kernels where they run; the
-layers of a Llama-shaped model run fused (`workers.fused_decoder`) where those kernels load; with
+(`workers.packed_linear`), and a decode step's few rows, in bf16 or fp32, on `kernels.native`'s kernels where
+they run; the layers of a Llama-shaped model run fused (`workers.fused_decoder`) where those kernels load; with
 `EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a compiled forward
 (`workers.compiled_forward`), padded to a few token-count buckets.
 """
