@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernels import native
 from kernels.attention import decode_attention
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
+from tests.paged_cache import cache_slots, scattered_cache
 from tests.tiny_models import build_tiny_model
 from workers.packed_linear import FewRowsLinear, route_fp32_linears
 
@@ -118,23 +119,9 @@ def test_an_fp32_engine_runs_its_linears_on_the_kernel_and_keeps_greedy_tokens(t
         assert finals[f"r{i}"].token_ids == reference_tokens(tiny_model_dir(family), prompt, 12)
 
 
-def scattered_cache(lengths, block_size, kv_heads, head_dim, seed=0):
-    """An fp32 cache and block tables whose blocks are shuffled, so no sequence's keys are contiguous."""
-    generator = torch.Generator().manual_seed(seed)
-    needed = [-(-n // block_size) for n in lengths]
-    blocks = torch.randperm(sum(needed) + 3, generator=generator)
-    width = max(needed)
-    tables, start = [], 0
-    for count in needed:
-        tables.append(blocks[start : start + count].tolist() + [0] * (width - count))  # padding: never read
-        start += count
-    shape = ((sum(needed) + 3) * block_size, kv_heads, head_dim)
-    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator), torch.tensor(tables)
-
-
 def decode_reference(query, k_cache, v_cache, tables, lens, block_size, scaling):
-    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(len(lens), -1)
-    return decode_attention(query.double(), k_cache.double(), v_cache.double(), slots, lens, scaling)
+    return decode_attention(query.double(), k_cache.double(), v_cache.double(), cache_slots(tables, block_size), lens,
+                            scaling)
 
 
 @served_here

@@ -4,6 +4,8 @@ They run only on a CPU with AVX-512 BF16; elsewhere these tests skip, and a CPU 
 build them fails here.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,33 +13,19 @@ import torch.nn.functional as F
 from kernels import native
 from kernels.attention import decode_attention, gather_blocks, prefill_attention
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
+from tests.paged_cache import cache_slots
+from tests.paged_cache import scattered_cache as any_scattered_cache
 from tests.tiny_models import build_tiny_model
 from workers.packed_linear import pack_linears
 
 pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.BF16.cpu_flags),
                                 reason="this CPU has no AVX-512 BF16")
 BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
+scattered_cache = functools.partial(any_scattered_cache, dtype=torch.bfloat16)
 
 
 def test_the_kernels_build_on_a_cpu_that_has_the_instructions():
     assert native.load() is not None, native.unavailable_reason()
-
-
-def scattered_cache(lengths, block_size, kv_heads, head_dim, seed=0):
-    """A bf16 cache and block tables whose blocks are shuffled, so no sequence's keys are contiguous."""
-    generator = torch.Generator().manual_seed(seed)
-    needed = [-(-n // block_size) for n in lengths]
-    blocks = torch.randperm(sum(needed) + 3, generator=generator)
-    width = max(needed)
-    tables, start = [], 0
-    for count in needed:
-        own = blocks[start : start + count].tolist()
-        tables.append(own + [0] * (width - count))  # padding past a sequence's end: never read
-        start += count
-    shape = ((sum(needed) + 3) * block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
-    v_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
-    return k_cache, v_cache, torch.tensor(tables)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -49,7 +37,7 @@ def test_paged_decode_matches_the_reference(head_dim, heads, kv_heads, block_siz
     query = torch.randn(len(lengths), heads, head_dim).to(torch.bfloat16)
     lens = torch.tensor(lengths)
     got = native.paged_decode(query, k_cache, v_cache, tables, lens, block_size, head_dim**-0.5)
-    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(len(lengths), -1)
+    slots = cache_slots(tables, block_size)
     want = decode_attention(query.float(), k_cache.float(), v_cache.float(), slots, lens, head_dim**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == query.shape
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
@@ -194,7 +182,7 @@ def test_cpu_backend_serves_decodes_and_prompt_chunks(head_dim_64_models, family
 
     def checked(query, k_cache, v_cache, tables, lens, block_size, scaling):
         got = kernel(query, k_cache, v_cache, tables, lens, block_size, scaling)
-        slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(len(lens), -1)
+        slots = cache_slots(tables, block_size)
         want = decode_attention(query.float(), k_cache.float(), v_cache.float(), slots, lens, scaling)
         torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
         calls.append(len(lens))
