@@ -15,8 +15,8 @@ caching, a sequence may start from blocks that another sequence fills in the sam
 On a CPU, decodes at long contexts and prompt chunks after cached keys take the fused path of
 `kernels.segmented` (flash attention over views of the cache, merged by log-sum-exp) when the runner gives
 their keys as runs of cache rows (`decode_runs`, `context_runs`). On the cpu backend the decodes take the bf16
-kernel of `kernels.native` instead, and so do prompt chunks where the CPU has AMX (`amx_prefill`: the chunk
-over all its keys, cached and its own, straight from the paged cache). The padded, masked paths below are the
+kernel of `kernels.native` instead, and in bf16 so do prompt chunks (`native.prefill`: the chunk over all its
+keys, cached and its own, straight from the paged cache). The padded, masked paths below are the
 reference, and serve sliding windows, short contexts and other devices.
 """
 
@@ -47,7 +47,7 @@ class PrefillSpan:
     ctx_start: int
     context_blocks: torch.Tensor | None
     context_runs: Keys | None = None  # the cache rows of the `ctx_start` keys before the chunk (fused path)
-    native: bool = False  # read by `kernels.native.amx_prefill` (the cpu backend on AMX), `context_blocks` set
+    native: bool = False  # read by `kernels.native.prefill` (the cpu backend in bf16), `context_blocks` set
 
     @classmethod
     def of(cls, q_start: int, q_len: int, ctx_start: int, block_table: list[int], block_size: int,
@@ -306,8 +306,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetad
     for span in md.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.native and sliding_window is None:
-            out[rows] = native.amx_prefill(q[rows], k_cache, v_cache, span.context_blocks, span.ctx_start,
-                                           md.block_size, scaling)
+            out[rows] = native.prefill(q[rows], k_cache, v_cache, span.context_blocks, span.ctx_start,
+                                       md.block_size, scaling)
             continue
         if span.context_runs is not None and sliding_window is None:
             out[rows] = segmented.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.context_runs, scaling)

@@ -6,8 +6,8 @@ the places of a bf16 step where torch's own kernels fall short:
   cache;
 - linear layers at few rows, which must stream every weight once: `small_linear` (AVX-512, up to 4 rows) and
   `amx_linear` (Intel AMX, up to 32);
-- on AMX, prefill attention (`amx_prefill`), where torch's flash kernel spends most of its time outside the
-  matmuls;
+- prefill attention (`prefill`: on AMX tiles where the CPU has them, else on AVX-512 BF16), where torch's flash
+  kernel spends most of its time outside the matmuls;
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
   transformers' modules make 3 to 27 torch ops (`workers.fused_decoder`).
 On an AVX2 CPU without AVX-512 (`FP32`), where `dtype auto` picks fp32, `fp32_linear` takes a decode step's
@@ -64,8 +64,9 @@ class Build:
 
 
 BF16 = Build("bf16", "batcher_cpu_kernels",
-             ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp", "layer_ops.cpp", "kv_write.cpp"),
-             ("common.h", "row_cursor.h", "torch_sum.h"),
+             ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp", "avx512_prefill.cpp", "layer_ops.cpp",
+              "kv_write.cpp"),
+             ("common.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
               f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
@@ -147,6 +148,15 @@ def build_for(dtype: torch.dtype) -> Build:
     return FP32 if dtype == torch.float32 else BF16
 
 
+def loaded_for(dtype: torch.dtype):
+    """The extension whose kernels take `dtype` (`build_for`); a RuntimeError saying why where it cannot run here."""
+    build = build_for(dtype)
+    module = load(build)
+    if module is None:
+        raise RuntimeError(f"the {build.label} CPU kernels cannot run here: {unavailable_reason(build)}")
+    return module
+
+
 def why_not(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the kernels cannot serve a model of these shapes on `device` in `dtype`, or None when they can."""
     if device.type != "cpu":
@@ -164,8 +174,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  context_lens: torch.Tensor, block_size: int, scaling: float) -> torch.Tensor:
     """Decode attention `query [B, H, D]`, bf16 or fp32, over the paged cache: sequence b's keys are its first
     `context_lens[b]` positions, in blocks `block_tables[b]` (padding past them is never read)."""
-    return load(build_for(query.dtype)).paged_decode(query, k_cache, v_cache, block_tables, context_lens, block_size,
-                                                     scaling)
+    return loaded_for(query.dtype).paged_decode(query, k_cache, v_cache, block_tables, context_lens, block_size,
+                                                 scaling)
 
 
 def cpu_has_amx() -> bool:
@@ -188,12 +198,13 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return load().amx_linear(x, packed, bias, out_features)
 
 
-def amx_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                ctx_start: int, block_size: int, scaling: float) -> torch.Tensor:
-    """Causal attention of a prompt chunk `query [n, H, D]` at positions `ctx_start...` over its sequence's
+def prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+            ctx_start: int, block_size: int, scaling: float) -> torch.Tensor:
+    """Causal bf16 attention of a prompt chunk `query [n, H, D]` at positions `ctx_start...` over its sequence's
     keys in the paged cache, `block_table` covering all `ctx_start + n` of them (the chunk's own included:
-    write them first)."""
-    return load().amx_prefill(query, k_cache, v_cache, block_table, ctx_start, block_size, scaling)
+    write them first). On AMX where it runs (`amx_prefill`), else on AVX-512 BF16 (`avx512_prefill`)."""
+    kernel = load().amx_prefill if has_amx() else load().avx512_prefill
+    return kernel(query, k_cache, v_cache, block_table, ctx_start, block_size, scaling)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -203,19 +214,19 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm of each row of bf16 or fp32 `x [..., H]`, `weight [H]`."""
-    return load(build_for(x.dtype)).rms_norm(x, weight, eps)
+    return loaded_for(x.dtype).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`residual += delta` in place, then `rms_norm(residual, weight, eps)`: a decoder's residual add and the
     norm after it."""
-    return load(build_for(residual.dtype)).add_rms_norm(residual, delta, weight, eps)
+    return loaded_for(residual.dtype).add_rms_norm(residual, delta, weight, eps)
 
 
 def rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate `query [T, H, D]` and `key [T, Hkv, D]` in place by the rotary module's `cos` and `sin [T, D]`,
     as transformers' `apply_rotary_pos_emb` does."""
-    load(build_for(query.dtype)).rotary_(query, key, cos, sin)
+    loaded_for(query.dtype).rotary_(query, key, cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

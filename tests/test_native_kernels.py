@@ -60,6 +60,9 @@ def test_paged_decode_refuses_what_it_does_not_support():
         native.paged_decode(torch.zeros(1, 1, 80, dtype=torch.bfloat16), k_cache, v_cache, tables, torch.tensor([5]),
                             16, 0.1)
     with pytest.raises(RuntimeError, match="bf16 CPU tensor"):
+        native.paged_decode(torch.zeros(1, 1, 80, dtype=torch.bfloat16), k_cache.float(), v_cache, tables,
+                            torch.tensor([5]), 16, 0.1)
+    with pytest.raises(RuntimeError, match="the fp32 CPU kernels cannot run here: this CPU has avx512f"):
         native.paged_decode(torch.zeros(1, 1, 80), k_cache, v_cache, tables, torch.tensor([5]), 16, 0.1)
     assert native.why_not(torch.device("cpu"), torch.bfloat16, 10, 2, 80) == "head_dim 80 is not one of (64, 128)"
     assert "this CPU has avx512f" in native.why_not(torch.device("cpu"), torch.float32, 9, 3, 64)  # MKL keeps fp32
@@ -94,28 +97,47 @@ def prefill_reference(query, k_cache, v_cache, table, ctx_start, block_size):
     return prefill_attention(query.float(), keys, values, ctx_start, query.shape[-1] ** -0.5)
 
 
-@needs_amx
+def prefill_kernel(name):
+    """The prefill kernel `name` ("amx" or "avx512"), skipping where this CPU cannot run it."""
+    if name == "amx" and not native.cpu_has_amx():
+        pytest.skip("this CPU has no AMX")
+    return getattr(native.load(), f"{name}_prefill")
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512"])
 @pytest.mark.parametrize("ctx_start,n", [(0, 1), (0, 37), (5, 1), (20, 16), (31, 33), (300, 64)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("block_size", [1, 4, 32])
-def test_amx_prefill_matches_the_reference(ctx_start, n, heads, kv_heads, head_dim, block_size):
+def test_prefill_matches_the_reference(kernel, ctx_start, n, heads, kv_heads, head_dim, block_size):
     """A chunk after any number of cached keys (none, part of a tile, many tiles), of any length."""
     k_cache, v_cache, tables = scattered_cache([ctx_start + n], block_size, kv_heads, head_dim)
     query = torch.randn(n, heads, head_dim).to(torch.bfloat16)
-    got = native.amx_prefill(query, k_cache, v_cache, tables[0], ctx_start, block_size, head_dim**-0.5)
+    got = prefill_kernel(kernel)(query, k_cache, v_cache, tables[0], ctx_start, block_size, head_dim**-0.5)
     assert got.shape == query.shape and got.dtype == torch.bfloat16
     want = prefill_reference(query, k_cache, v_cache, tables[0], ctx_start, block_size)
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
-@needs_amx
-def test_amx_prefill_refuses_what_it_does_not_support():
+def test_prefill_reads_a_query_laid_out_as_the_model_gives_it():
+    k_cache, v_cache, tables = scattered_cache([50], 16, 2, 64)
+    query = torch.randn(1, 6, 20, 64).to(torch.bfloat16)[0].transpose(0, 1)  # [20, 6, 64], not contiguous
+    got = native.prefill(query, k_cache, v_cache, tables[0], 30, 16, 0.125)
+    assert torch.equal(got, native.prefill(query.contiguous(), k_cache, v_cache, tables[0], 30, 16, 0.125))
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512"])
+def test_prefill_refuses_what_it_does_not_support(kernel):
     k_cache, v_cache, tables = scattered_cache([40], 16, 2, 64)
     query = torch.randn(8, 4, 64).to(torch.bfloat16)
+    prefill = prefill_kernel(kernel)
     with pytest.raises(RuntimeError, match="does not cover the chunk"):
-        native.amx_prefill(query, k_cache, v_cache, tables[0][:1], 32, 16, 0.125)
+        prefill(query, k_cache, v_cache, tables[0][:1], 32, 16, 0.125)
     with pytest.raises(RuntimeError, match="head_dim 64 or 128, not 32"):
-        native.amx_prefill(query[..., :32], k_cache, v_cache, tables[0], 0, 16, 0.125)
+        prefill(query[..., :32], k_cache, v_cache, tables[0], 0, 16, 0.125)
+    outside = tables[0].clone()
+    outside[1] = k_cache.shape[0] // 16  # one block past the cache's last
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        prefill(query, k_cache, v_cache, outside, 32, 16, 0.125)
 
 
 @pytest.mark.parametrize("amx", [True, False])
@@ -196,11 +218,12 @@ def test_cpu_backend_serves_decodes_and_prompt_chunks(head_dim_64_models, family
         return got
 
     chunks = []
-    prefill = native.amx_prefill
+    prefill = native.prefill
     monkeypatch.setattr(native, "paged_decode", checked)
-    monkeypatch.setattr(native, "amx_prefill", checked_prefill)
+    monkeypatch.setattr(native, "prefill", checked_prefill)
+    # a small cache: each check reads all of it in fp32
     engine = engine_for(head_dim_64_models[family], dtype="bfloat16", attention_backend="cpu", block_size=4,
-                        max_num_seqs=4, max_num_batched_tokens=32)
+                        max_num_seqs=4, max_num_batched_tokens=32, num_blocks=96)
     prompts = random_prompts(6, seed=11, min_len=5, max_len=60)
     for i, prompt in enumerate(prompts):
         engine.add(f"r{i}", greedy(prompt, 12))
@@ -208,7 +231,7 @@ def test_cpu_backend_serves_decodes_and_prompt_chunks(head_dim_64_models, family
     assert sorted(len(out.token_ids) for out in finals.values()) == [12] * 6
     if family == "llama":
         assert max(calls) == 4  # the four slots' decodes in one call per layer
-        assert not native.has_amx() or 0 in chunks and max(chunks) > 0  # first chunks and later ones
+        assert 0 in chunks and max(chunks) > 0  # first chunks and later ones
     else:
         assert not calls and not chunks  # a sliding window: the reference paths
 

@@ -5,8 +5,8 @@ sequence's new tokens into one row with explicit positions and cache slots, and 
 logits of the sequences that sample this step.
 
 Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
-same, with all decodes in one group for `kernels.native`'s kernel, and in bf16 prompt chunks on its AMX kernel
-where the CPU has AMX), or the Triton one (flat arrays, `kernels.triton_attention`), as
+same, with all decodes in one group for `kernels.native`'s kernel, and in bf16 prompt chunks on its prefill
+kernel), or the Triton one (flat arrays, `kernels.triton_attention`), as
 `EngineConfig.attention_backend` resolves.
 
 How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
@@ -80,8 +80,8 @@ class ModelRunner:
                                             native.why_not(self.device, self.dtype, heads, kv_heads, head_dim))
         self.flat_attention = backend == ATTENTION_TRITON
         self.native_decode = backend == ATTENTION_CPU
-        # the AMX prefill kernel is bf16's; its head_dims are the decode kernel's
-        self.native_prefill = self.native_decode and self.dtype == torch.bfloat16 and native.has_amx()
+        # the prefill kernels are bf16's; their head_dims are the decode kernel's
+        self.native_prefill = self.native_decode and self.dtype == torch.bfloat16
         if can_pack(self.device, self.dtype):
             few_rows_native = native.load() is not None
             log.info("packed %d linear weights for oneDNN%s", pack_linears(self.model, few_rows_native),
