@@ -4,8 +4,9 @@ Two builds, each for the CPUs whose instructions it uses. On a CPU with AVX-512 
 the places of a bf16 step where torch's own kernels fall short:
 - decode attention (`paged_decode`): one call per layer reads every decode's keys straight from the paged
   cache;
-- linear layers at few rows, which must stream every weight once: `small_linear` (AVX-512, up to 4 rows) and
-  `amx_linear` (Intel AMX, up to 32);
+- linear layers at few rows, which must stream every weight once: `small_linear` (AVX-512, up to 4 rows, on the
+  plain weight) and `tile_linear` (up to 32, on a copy of the weight in AMX's tile order: AMX tile products
+  where the CPU has AMX, else AVX-512 BF16 products);
 - prefill attention (`prefill`: on AMX tiles where the CPU has them, else on AVX-512 BF16), where torch's flash
   kernel spends most of its time outside the matmuls;
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
@@ -42,8 +43,8 @@ CSRC = Path(__file__).parent / "csrc"
 SUPPORTED_HEAD_DIMS = (64, 128)  # of every attention kernel
 # Limits the C++ shares (kernels/csrc/common.h), passed as compile flags so the two cannot disagree.
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
-AMX_MAX_ROWS = 32  # rows of x that amx_linear takes (two tiles of 16)
-AMX_TILE_COLUMNS = 16  # output columns of a block of amx_pack's layout (the blocks of a weight lie in order)
+TILE_MAX_ROWS = 32  # rows of x that tile_linear takes (two AMX tiles of 16)
+TILE_COLUMNS = 16  # output columns of a block of tile_pack's layout (the blocks of a weight lie in order)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
 FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides the bf16 build's flags
@@ -64,12 +65,12 @@ class Build:
 
 
 BF16 = Build("bf16", "batcher_cpu_kernels",
-             ("cpu_kernels.cpp", "amx_linear.cpp", "amx_prefill.cpp", "avx512_prefill.cpp", "layer_ops.cpp",
-              "kv_write.cpp"),
+             ("cpu_kernels.cpp", "amx_linear.cpp", "avx512_linear.cpp", "amx_prefill.cpp", "avx512_prefill.cpp",
+              "layer_ops.cpp", "kv_write.cpp"),
              ("common.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-              f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DAMX_MAX_ROWS={AMX_MAX_ROWS}",
+              f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DTILE_MAX_ROWS={TILE_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 FP32 = Build("fp32", "batcher_fp32_kernels",
              ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),
@@ -188,14 +189,17 @@ def has_amx() -> bool:
     return cpu_has_amx() and load().amx_permitted()
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of `weight [N, K]` laid out in AMX's tiles, for `amx_linear`."""
+def tile_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of `weight [N, K]` laid out in AMX's tiles, for `tile_linear`."""
     return load().amx_pack(weight)
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """`x @ weight.T + bias` for x of at most AMX_MAX_ROWS rows, `packed` from `amx_pack(weight)`."""
-    return load().amx_linear(x, packed, bias, out_features)
+def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """`x @ weight.T + bias` for x of at most TILE_MAX_ROWS rows, `packed` from `tile_pack(weight)`: on AMX where
+    it runs (`amx_linear`), else on AVX-512 BF16 (`avx512_linear`, 1.04-1.45x oneDNN's packed kernels at 2-32
+    rows on an AMD EPYC Zen 5)."""
+    kernel = load().amx_linear if has_amx() else load().avx512_linear
+    return kernel(x, packed, bias, out_features)
 
 
 def prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

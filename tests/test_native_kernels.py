@@ -87,9 +87,6 @@ def test_small_linear_takes_at_most_its_rows():
         native.small_linear(torch.zeros(5, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), None)
 
 
-needs_amx = pytest.mark.skipif(not native.cpu_has_amx(), reason="this CPU has no AMX")
-
-
 def prefill_reference(query, k_cache, v_cache, table, ctx_start, block_size):
     length = ctx_start + query.shape[0]
     keys = gather_blocks(k_cache, table, block_size)[:length].float()
@@ -142,8 +139,9 @@ def test_prefill_refuses_what_it_does_not_support(kernel):
 
 @pytest.mark.parametrize("amx", [True, False])
 def test_packed_model_streams_one_buffer_and_keeps_its_tie(tiny_model_dir, monkeypatch, amx):
-    """The few rows of a decode run on AMX tiles where the CPU has AMX, else on the AVX-512 kernel over the
-    plain weights; either copy is laid end to end in call order, and the result is the plain model's."""
+    """The few rows of a decode run on the copy of the weights in tile order (on AMX where the CPU has it, else
+    on AVX-512), one row on the plain weights; either copy is laid end to end in call order, and the result is
+    the plain model's."""
     from transformers import AutoModelForCausalLM
 
     if amx and not native.cpu_has_amx():
@@ -156,31 +154,44 @@ def test_packed_model_streams_one_buffer_and_keeps_its_tie(tiny_model_dir, monke
     with torch.inference_mode():
         plain = model(ids).logits
         pack_linears(model, few_rows_native=True)
-        packed = model(ids).logits  # 4 rows: the native kernels' path
-        one_row = model(ids[:, :1]).logits  # small_linear's path, with AMX or without
+        packed = model(ids).logits  # 4 rows: tile_linear's path
+        one_row = model(ids[:, :1]).logits  # small_linear's path
     attention = model.model.layers[0].self_attn
-    for copy in ["weight", "tile_weight"] if amx else ["weight"]:
+    for copy in ["weight", "tile_weight"]:
         q, k = getattr(attention.q_proj, copy), getattr(attention.k_proj, copy)
         assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()  # end to end, in call order
-    assert (attention.q_proj.tile_weight is not None) == amx and attention.q_proj.small_rows
+    assert attention.q_proj.small_rows
     assert model.lm_head.weight is model.model.embed_tokens.weight
     torch.testing.assert_close(packed.float(), plain.float(), atol=0.1, rtol=0.05)
     torch.testing.assert_close(one_row.float(), plain[:, :1].float(), atol=0.1, rtol=0.05)
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+def tile_kernel(name):
+    """The kernel `name` ("amx" or "avx512") of the weights in tile order, skipping where this CPU cannot run it."""
+    if name == "amx" and not native.cpu_has_amx():
+        pytest.skip("this CPU has no AMX")
+    return getattr(native.load(), f"{name}_linear")
+
+
+@pytest.mark.parametrize("kernel", ["amx", "avx512"])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 32])  # avx512: 12 rows at a time, so 13 take two passes
 @pytest.mark.parametrize("features", [576, 50])
-def test_amx_linear_matches_the_reference(rows, features):
+@pytest.mark.parametrize("out_features", [97, 32])  # 97: a lone last block of 16; 32: one pair of blocks
+def test_tile_linear_matches_the_reference(kernel, rows, features, out_features):
+    linear = tile_kernel(kernel)
     x = torch.randn(1, rows, features).to(torch.bfloat16)
-    weight = (torch.randn(97, features) / features**0.5).to(torch.bfloat16)  # 97: a lone last block of 16
-    bias = torch.randn(97).to(torch.bfloat16)
-    got = native.amx_linear(x, native.amx_pack(weight), bias, 97)
+    weight = (torch.randn(out_features, features) / features**0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = native.tile_pack(weight)
+    got = linear(x, packed, bias, out_features)
     want = F.linear(x.float(), weight.float(), bias.float())
-    assert got.shape == (1, rows, 97)
+    assert got.shape == (1, rows, out_features)
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+    torch.testing.assert_close(linear(x, packed, None, out_features).float(), want - bias.float(), **BF16_TOLERANCE)
     with pytest.raises(RuntimeError, match="1 to 32 rows"):
-        native.amx_linear(torch.zeros(33, features, dtype=torch.bfloat16), native.amx_pack(weight), None, 97)
+        linear(torch.zeros(33, features, dtype=torch.bfloat16), packed, None, out_features)
+    with pytest.raises(RuntimeError, match="does not fit x"):
+        linear(torch.zeros(2, features + 32, dtype=torch.bfloat16), packed, None, out_features)
 
 
 @pytest.fixture(scope="module")

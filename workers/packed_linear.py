@@ -9,9 +9,10 @@ at one row). Packing each weight once (`torch.ops.mkldnn._reorder_linear_weight`
 
 The plain weight stays (tied embeddings and state dicts read it), so packing costs one more copy of the
 linear weights. A decode step's few rows take `kernels.native`'s kernels instead where they run, since oneDNN
-reads a weight at only about 9 GB/s at those sizes: one row (a lone decode) `small_linear` on the plain weight
-(AVX-512 BF16; up to 4 rows where the CPU has no AMX), and 2 to 32 rows `amx_linear` on a third copy of the
-weight laid out in AMX's tiles. Both copies are laid end to end in the order the forward reads the weights.
+reads a weight well below the memory's pace at those sizes (about 9 GB/s on an AMX host): one row (a lone
+decode) `small_linear` on the plain weight, and 2 to 32 rows `tile_linear` on a third copy of the weight laid
+out in AMX's tiles (AMX's products where the CPU has AMX, else AVX-512 BF16's). Both copies are laid end to end
+in the order the forward reads the weights.
 
 A packed weight is an opaque oneDNN tensor that torch.compile cannot trace into: inside a compiled forward
 each call goes through the op `batcher::packed_linear`, which the compiler leaves alone.
@@ -35,8 +36,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _on_amx(rows: int, tile_weight: torch.Tensor | None) -> bool:
-    return tile_weight is not None and 1 < rows <= native.AMX_MAX_ROWS  # one row: small_linear is faster
+def _on_tiles(rows: int, tile_weight: torch.Tensor | None) -> bool:
+    return tile_weight is not None and 1 < rows <= native.TILE_MAX_ROWS  # one row: small_linear is faster
 
 
 def _on_small_linear(rows: int, small_rows: bool) -> bool:
@@ -47,8 +48,8 @@ def _multiply(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor
               small_rows: bool, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + b` by the fastest kernel for x's rows (see the module's docstring)."""
     rows = x.numel() // weight.shape[1]
-    if _on_amx(rows, tile_weight):
-        return native.amx_linear(x, tile_weight, bias, weight.shape[0])
+    if _on_tiles(rows, tile_weight):
+        return native.tile_linear(x, tile_weight, bias, weight.shape[0])
     if _on_small_linear(rows, small_rows):
         return native.small_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
@@ -68,7 +69,8 @@ def _(x, weight, packed_weight, tile_weight, small_rows, bias):
 
 class PackedLinear(torch.nn.Linear):
     """An `nn.Linear` that multiplies by its packed weight (`pack_linears` turns a Linear into one), or, for
-    few rows, on `kernels.native`'s kernels: by `tile_weight` (AMX) or by its plain weight (`small_rows`)."""
+    few rows, on `kernels.native`'s kernels: by `tile_weight` (2 or more rows) or by its plain weight
+    (`small_rows`)."""
 
     packed_weight: torch.Tensor
     tile_weight: torch.Tensor | None
@@ -87,16 +89,14 @@ def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     if not linears:  # packed already (a second engine on the same model)
         return 0
-    tiles = few_rows_native and native.has_amx()
     for module in linears:
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-        module.tile_weight = native.amx_pack(module.weight.detach()) if tiles else None
+        module.tile_weight = native.tile_pack(module.weight.detach()) if few_rows_native else None
         module.small_rows = few_rows_native
         module.__class__ = PackedLinear
     if few_rows_native:
         _lay_end_to_end([module.weight for module in linears], lambda m, view: setattr(m.weight, "data", view),
                         linears)
-    if tiles:
         _lay_end_to_end([module.tile_weight for module in linears], lambda m, view: setattr(m, "tile_weight", view),
                         linears)
     return len(linears)
@@ -117,7 +117,7 @@ class JointLinear:
         self.fp32 = all(isinstance(module, FewRowsLinear) for module in modules)
         self.weight = _one_matrix([module.weight for module in modules]) if packed or self.fp32 else None
         tiles_join = packed and all(module.tile_weight is not None
-                                    and module.out_features % native.AMX_TILE_COLUMNS == 0 for module in modules)
+                                    and module.out_features % native.TILE_COLUMNS == 0 for module in modules)
         self.tile_weight = _one_matrix([module.tile_weight for module in modules]) if tiles_join else None
         biases = [module.bias for module in modules]
         self.bias = None if all(b is None for b in biases) else torch.cat(
@@ -130,7 +130,7 @@ class JointLinear:
             return [module(x) for module in self.modules]
         if self.fp32 and _on_fp32_linear(rows):
             return native.fp32_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-        if not self.fp32 and (_on_amx(rows, self.tile_weight) or _on_small_linear(rows, True)):
+        if not self.fp32 and (_on_tiles(rows, self.tile_weight) or _on_small_linear(rows, True)):
             return _multiply(x, self.weight, None, self.tile_weight, True, self.bias).split(self.sizes, dim=-1)
         return [module(x) for module in self.modules]
 

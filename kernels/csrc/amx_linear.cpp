@@ -21,7 +21,7 @@ constexpr int TILE_ROWS = 16;      // rows of x (and of the result) per tile
 constexpr int TILE_K = 32;         // bf16 values of K per tile row
 constexpr int TILE_N = 16;         // output columns per tile
 constexpr int MAX_ROWS = 2 * TILE_ROWS;
-static_assert(MAX_ROWS == batcher::kAmxMaxRows, "amx_linear takes two tiles of rows");
+static_assert(MAX_ROWS == batcher::kTileMaxRows, "amx_linear takes two tiles of rows");
 constexpr int PREFETCH_BYTES = 4096;
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
 constexpr int XFEATURE_XTILEDATA = 18;

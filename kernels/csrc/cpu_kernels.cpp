@@ -1,6 +1,6 @@
 // bf16 decode kernels for CPUs with AVX-512 BF16 (kernels/native.py builds and loads this file with
-// amx_linear.cpp, amx_prefill.cpp, avx512_prefill.cpp, layer_ops.cpp and kv_write.cpp, whose functions it binds
-// too).
+// amx_linear.cpp, avx512_linear.cpp, amx_prefill.cpp, avx512_prefill.cpp, layer_ops.cpp and kv_write.cpp, whose
+// functions it binds too).
 //
 // - paged_decode: one query token per sequence attends to its keys straight from the paged cache
 //   (through its block table: no gather, no padding, no mask), the query heads of a KV head reading
@@ -256,9 +256,10 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
 
 }  // namespace
 
-// amx_linear.cpp
+// amx_linear.cpp, avx512_linear.cpp
 torch::Tensor amx_pack(torch::Tensor weight);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
+torch::Tensor avx512_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
 // amx_prefill.cpp, avx512_prefill.cpp
 torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                           int64_t ctx_start, int64_t block_size, double scale);
@@ -274,6 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_permitted", &amx_permitted, "whether the OS lends this process AMX's tile state");
   m.def("amx_pack", &amx_pack, "a bf16 weight laid out in AMX tiles, for amx_linear");
   m.def("amx_linear", &amx_linear, "bf16 x @ W.T + b for up to 32 rows of x, on AMX");
+  m.def("avx512_linear", &avx512_linear, "bf16 x @ W.T + b for up to 32 rows of x, on AVX-512 over amx_pack's layout");
   m.def("amx_prefill", &amx_prefill, "causal bf16 attention of a prompt chunk over its paged keys, on AMX");
   m.def("avx512_prefill", &avx512_prefill, "causal bf16 attention of a prompt chunk over its paged keys, on AVX-512");
   bind_layer_ops(m);

@@ -1,0 +1,127 @@
+// bf16 x @ W.T + b for up to 32 rows of x on AVX-512 BF16, for CPUs without AMX (kernels/native.py builds
+// and loads this file).
+//
+// It reads the weight in amx_pack's layout (amx_linear.cpp): per block of 16 output columns and 32 of K, a
+// row per pair of K holding that pair of all 16 columns. One load of such a row is a vector of 16 column
+// pairs, which `vdpbf16ps` multiplies by a pair of x broadcast, into 16 sums: no reduction across a vector at
+// the end, and each load of the weight serves every row of x in registers. Two blocks (32 columns) go
+// together, up to 12 rows of x at a time (24 sums in registers); more rows walk the two blocks again, from
+// the CPU's cache.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common.h"
+
+namespace {
+
+constexpr int TILE_K = 32;  // bf16 values of K per block (amx_pack's layout)
+constexpr int TILE_N = 16;  // output columns per block
+constexpr int PAIRS = TILE_K / 2;
+constexpr int MAX_ROWS_AT_ONCE = 12;
+constexpr int PREFETCH_BYTES = 4096;
+
+// Sums of `M` rows of x (from `x`, rows `k_padded` apart) against two blocks of columns, over all of K.
+template <int M>
+void two_blocks(const uint16_t* w0, const uint16_t* w1, int64_t blocks_k, const uint16_t* x, int64_t k_padded,
+                bool prefetch, __m512 sums[][2]) {
+  __m512 acc[M][2];
+  for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < blocks_k; kb++) {
+    const uint16_t* t0 = w0 + kb * TILE_K * TILE_N;
+    const uint16_t* t1 = w1 + kb * TILE_K * TILE_N;
+    if (prefetch) {
+      for (int line = 0; line < TILE_K * TILE_N * 2; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(t0) + PREFETCH_BYTES + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(t1) + PREFETCH_BYTES + line, _MM_HINT_T0);
+      }
+    }
+    const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(x + kb * TILE_K);
+    for (int i = 0; i < PAIRS; i++) {
+      const __m512bh a = (__m512bh)_mm512_loadu_si512(t0 + i * TILE_N * 2);
+      const __m512bh b = (__m512bh)_mm512_loadu_si512(t1 + i * TILE_N * 2);
+      for (int m = 0; m < M; m++) {
+        const __m512bh xm = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pairs[m * k_padded / 2 + i]));
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, xm);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], b, xm);
+      }
+    }
+  }
+  for (int m = 0; m < M; m++) sums[m][0] = acc[m][0], sums[m][1] = acc[m][1];
+}
+
+using TwoBlocks = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint16_t*, int64_t, bool, __m512[][2]);
+
+static_assert(MAX_ROWS_AT_ONCE == 12, "kTwoBlocks lists 1 to 12 rows");
+constexpr TwoBlocks kTwoBlocks[MAX_ROWS_AT_ONCE] = {&two_blocks<1>, &two_blocks<2>, &two_blocks<3>, &two_blocks<4>,
+                                                    &two_blocks<5>, &two_blocks<6>, &two_blocks<7>, &two_blocks<8>,
+                                                    &two_blocks<9>, &two_blocks<10>, &two_blocks<11>,
+                                                    &two_blocks<12>};
+
+}  // namespace
+
+// x [..., K] bf16 with at most 32 rows; packed from amx_pack of a weight [N, K]; bias [N] or None.
+torch::Tensor avx512_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+  batcher::check_bf16(x, "x");
+  batcher::check_bf16(packed, "packed");
+  const int64_t K = x.size(-1), blocks_k = packed.size(1), k_padded = blocks_k * TILE_K;
+  TORCH_CHECK((K + TILE_K - 1) / TILE_K == blocks_k && packed.size(0) * TILE_N >= N,
+              "the packed weight does not fit x");
+  const auto x2 = x.reshape({-1, K});
+  const int64_t rows = x2.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= batcher::kTileMaxRows, "avx512_linear takes 1 to ", batcher::kTileMaxRows, " rows");
+  auto x_padded = torch::zeros({rows, k_padded}, x.options());  // K zero-padded to whole blocks
+  x_padded.narrow(1, 0, K).copy_(x2);
+  torch::Tensor bias_c;
+  const uint16_t* b = nullptr;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    batcher::check_bf16(bias_c, "bias");
+    b = batcher::bf16_data(bias_c);
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  uint16_t* yp = batcher::bf16_data(y);
+  const uint16_t* wp = batcher::bf16_data(packed);
+  const uint16_t* xp = batcher::bf16_data(x_padded);
+  const int64_t blocks_n = packed.size(0), block_elems = blocks_k * TILE_K * TILE_N;
+  // Rows in passes of at most 12, as even as they go (32 rows: 11, 11, 10).
+  const int64_t passes = (rows + MAX_ROWS_AT_ONCE - 1) / MAX_ROWS_AT_ONCE;
+  const int64_t per_pass = (rows + passes - 1) / passes;
+  at::parallel_for(0, (blocks_n + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    __m512 sums[MAX_ROWS_AT_ONCE][2];
+    for (int64_t pair = begin; pair < end; pair++) {
+      const int64_t nb = 2 * pair;
+      // A lone last block runs as its own pair: its twin's sums are computed on it again, and dropped.
+      const uint16_t* w0 = wp + nb * block_elems;
+      const uint16_t* w1 = nb + 1 < blocks_n ? w0 + block_elems : w0;
+      __m512 bias_n[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      __mmask16 valid[2] = {0, 0};
+      for (int half = 0; half < 2 && nb + half < blocks_n; half++) {
+        const int64_t first = (nb + half) * TILE_N;
+        const int columns = static_cast<int>(std::min<int64_t>(TILE_N, N - first));
+        if (columns <= 0) break;
+        valid[half] = static_cast<__mmask16>((1u << columns) - 1);
+        if (b) bias_n[half] = batcher::bf16_to_fp32(_mm256_maskz_loadu_epi16(valid[half], b + first));
+      }
+      for (int64_t m0 = 0; m0 < rows; m0 += per_pass) {
+        const int count = static_cast<int>(std::min<int64_t>(per_pass, rows - m0));
+        // the first pass streams the weights from memory; later ones find them in the cache
+        kTwoBlocks[count - 1](w0, w1, blocks_k, xp + m0 * k_padded, k_padded, m0 == 0, sums);
+        for (int half = 0; half < 2; half++) {
+          if (!valid[half]) continue;
+          for (int m = 0; m < count; m++) {
+            const __m256bh result = _mm512_cvtneps_pbh(_mm512_add_ps(sums[m][half], bias_n[half]));
+            _mm256_mask_storeu_epi16(yp + (m0 + m) * N + (nb + half) * TILE_N, valid[half], (__m256i)result);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
