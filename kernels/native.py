@@ -183,6 +183,7 @@ def cpu_has_amx() -> bool:
     return all(flag in cpu_flags() for flag in AMX_FLAGS)
 
 
+@functools.cache  # asked at every prefill and few-row linear call
 def has_amx() -> bool:
     """Whether the AMX kernels run here: the CPU has AMX, and the OS lends it to this process (the kernels
     must have loaded)."""
