@@ -94,11 +94,11 @@ def prefill_reference(query, k_cache, v_cache, table, ctx_start, block_size):
     return prefill_attention(query.float(), keys, values, ctx_start, query.shape[-1] ** -0.5)
 
 
-def prefill_kernel(name):
-    """The prefill kernel `name` ("amx" or "avx512"), skipping where this CPU cannot run it."""
-    if name == "amx" and not native.cpu_has_amx():
+def kernel_on(isa, op):
+    """The kernel `op` ("prefill", "linear") on `isa` ("amx" or "avx512"), skipping where this CPU cannot run it."""
+    if isa == "amx" and not native.cpu_has_amx():
         pytest.skip("this CPU has no AMX")
-    return getattr(native.load(), f"{name}_prefill")
+    return getattr(native.load(), f"{isa}_{op}")
 
 
 @pytest.mark.parametrize("kernel", ["amx", "avx512"])
@@ -109,7 +109,7 @@ def test_prefill_matches_the_reference(kernel, ctx_start, n, heads, kv_heads, he
     """A chunk after any number of cached keys (none, part of a tile, many tiles), of any length."""
     k_cache, v_cache, tables = scattered_cache([ctx_start + n], block_size, kv_heads, head_dim)
     query = torch.randn(n, heads, head_dim).to(torch.bfloat16)
-    got = prefill_kernel(kernel)(query, k_cache, v_cache, tables[0], ctx_start, block_size, head_dim**-0.5)
+    got = kernel_on(kernel, "prefill")(query, k_cache, v_cache, tables[0], ctx_start, block_size, head_dim**-0.5)
     assert got.shape == query.shape and got.dtype == torch.bfloat16
     want = prefill_reference(query, k_cache, v_cache, tables[0], ctx_start, block_size)
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
@@ -126,7 +126,7 @@ def test_prefill_reads_a_query_laid_out_as_the_model_gives_it():
 def test_prefill_refuses_what_it_does_not_support(kernel):
     k_cache, v_cache, tables = scattered_cache([40], 16, 2, 64)
     query = torch.randn(8, 4, 64).to(torch.bfloat16)
-    prefill = prefill_kernel(kernel)
+    prefill = kernel_on(kernel, "prefill")
     with pytest.raises(RuntimeError, match="does not cover the chunk"):
         prefill(query, k_cache, v_cache, tables[0][:1], 32, 16, 0.125)
     with pytest.raises(RuntimeError, match="head_dim 64 or 128, not 32"):
@@ -166,19 +166,12 @@ def test_packed_model_streams_one_buffer_and_keeps_its_tie(tiny_model_dir, monke
     torch.testing.assert_close(one_row.float(), plain[:, :1].float(), atol=0.1, rtol=0.05)
 
 
-def tile_kernel(name):
-    """The kernel `name` ("amx" or "avx512") of the weights in tile order, skipping where this CPU cannot run it."""
-    if name == "amx" and not native.cpu_has_amx():
-        pytest.skip("this CPU has no AMX")
-    return getattr(native.load(), f"{name}_linear")
-
-
 @pytest.mark.parametrize("kernel", ["amx", "avx512"])
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 32])  # avx512: 12 rows at a time, so 13 take two passes
 @pytest.mark.parametrize("features", [576, 50])
 @pytest.mark.parametrize("out_features", [97, 32])  # 97: a lone last block of 16; 32: one pair of blocks
 def test_tile_linear_matches_the_reference(kernel, rows, features, out_features):
-    linear = tile_kernel(kernel)
+    linear = kernel_on(kernel, "linear")
     x = torch.randn(1, rows, features).to(torch.bfloat16)
     weight = (torch.randn(out_features, features) / features**0.5).to(torch.bfloat16)
     bias = torch.randn(out_features).to(torch.bfloat16)

@@ -77,16 +77,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const int row_tiles = rows > TILE_ROWS ? 2 : 1;
   auto x_tiles = torch::zeros({row_tiles * TILE_ROWS, k_padded}, x.options());
   x_tiles.narrow(0, 0, rows).narrow(1, 0, K).copy_(x2);
-  torch::Tensor bias_c;
-  const uint16_t* b = nullptr;
-  if (bias.has_value()) {
-    bias_c = bias->contiguous();
-    batcher::check_bf16(bias_c, "bias");
-    b = batcher::bf16_data(bias_c);
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
+  const auto bias_c = batcher::contiguous_bias(bias);
+  const uint16_t* b = batcher::bias_data(bias_c);
+  auto y = batcher::linear_output(x, N);
   uint16_t* yp = batcher::bf16_data(y);
   const uint16_t* wp = batcher::bf16_data(packed);
   const uint16_t* xt = batcher::bf16_data(x_tiles);

@@ -24,6 +24,23 @@ inline const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_ca
 
 inline uint16_t* bf16_data(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
+// What the bf16 linear kernels share: a bias, checked and contiguous (None: an undefined tensor), its values
+// (nullptr for None), and the output [..., N] of x [..., K].
+inline torch::Tensor contiguous_bias(const c10::optional<torch::Tensor>& bias) {
+  if (!bias.has_value()) return {};
+  auto b = bias->contiguous();
+  check_bf16(b, "bias");
+  return b;
+}
+
+inline const uint16_t* bias_data(const torch::Tensor& bias) { return bias.defined() ? bf16_data(bias) : nullptr; }
+
+inline torch::Tensor linear_output(const torch::Tensor& x, int64_t N) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return torch::empty(sizes, x.options());
+}
+
 // e^x for x <= 0 (Cephes' polynomial, to within 2 ulp); x below -88 gives ~0.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));

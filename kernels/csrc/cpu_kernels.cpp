@@ -229,16 +229,9 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
   const auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t rows = x2.size(0);
   TORCH_CHECK(rows >= 1 && rows <= batcher::kLinearMaxRows, "small_linear takes 1 to ", batcher::kLinearMaxRows, " rows");
-  const uint16_t* b = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value()) {
-    bias_c = bias->contiguous();
-    check_bf16(bias_c, "bias");
-    b = bf16_data(bias_c);
-  }
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
+  const auto bias_c = batcher::contiguous_bias(bias);
+  const uint16_t* b = batcher::bias_data(bias_c);
+  auto y = batcher::linear_output(x, N);
   const uint16_t* xp = bf16_data(x2);
   const uint16_t* wp = bf16_data(weight);
   uint16_t* yp = bf16_data(y);
