@@ -22,15 +22,16 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .  # lint, imports sorted (pyproject.toml's [tool.ruff])
 	$(PY) -m pytest
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
 # On one GPU: the Triton kernel tests on CUDA, greedy equality with generate, and batcher bench against
-# hf-cb (and vLLM where it installs) in one table (workers/bench/gpu_check.py).
+# hf-cb (and vLLM where it installs) in one table (workers/bench/experiments/gpu_check.py).
 gpu-check: $(STAMP)
-	$(PY) -m workers.bench.gpu_check
+	$(PY) -m workers.bench.experiments.gpu_check
 
 demo: $(STAMP)
 	$(VENV)/bin/batcher demo

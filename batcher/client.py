@@ -18,20 +18,33 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher import connection as redis_connection
-from batcher import durability, job_life, keys
-from batcher.admin import list_workers
 from batcher.batches import ingest
-from batcher.batches.model import (DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError,
-                                   BatchNotFound)
+from batcher.batches.batch_object import (
+    DEFAULT_BATCH_RETENTION_S,
+    DEFAULT_COMPLETION_WINDOW,
+    Batch,
+    BatchInputError,
+    BatchNotFound,
+)
 from batcher.batches.store import BatchStore
-from batcher.enqueue import (DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_QUEUE_LENGTH, DEFAULT_QUEUE_TTL_S,
-                             DEFAULT_RESULT_TTL_S, Enqueuer, QueueFull, as_request)
 from batcher.errors import BatcherError
-from batcher.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
-from batcher.job_life import TERMINAL_STATUSES
-from batcher.job_stream import AttemptFilter
-from batcher.redis_retry import retry_while_unreachable
+from batcher.jobs import connection as redis_connection
+from batcher.jobs import durability, keys
+from batcher.jobs import life as job_life
+from batcher.jobs.admin import list_workers
+from batcher.jobs.enqueue import (
+    DEFAULT_FAILURE_TTL_S,
+    DEFAULT_MAX_QUEUE_LENGTH,
+    DEFAULT_QUEUE_TTL_S,
+    DEFAULT_RESULT_TTL_S,
+    Enqueuer,
+    QueueFull,
+    as_request,
+)
+from batcher.jobs.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
+from batcher.jobs.life import TERMINAL_STATUSES
+from batcher.jobs.redis_retry import retry_while_unreachable
+from batcher.jobs.stream import Read, read_events
 from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
 
 __all__ = ["Client", "connect", "JobFailed", "JobNotFound", "QueueFull", "JobInfo", "Batch", "BatchNotFound",
@@ -72,7 +85,8 @@ class JobInfo:
 
 
 def connect(redis_url: str | None = None) -> Redis:
-    """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (every form of batcher.connection)."""
+    """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (every form of
+    batcher.jobs.connection)."""
     return redis_connection.connect(redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
 
 
@@ -124,30 +138,20 @@ class Client:
         the text of a lost attempt with the new one. A job that ends without a terminal event (one that
         expired while queued) ends the stream with one inferred from its status. Redis outages after the
         start are waited out."""
-        key = keys.stream_key(job_id)
         self.connection.ping()  # Redis unreachable from the start is an error at once; later outages are waited out
         deadline = None if timeout is None else time.monotonic() + timeout
-        last_id, attempts = "0-0", AttemptFilter()
-        while True:
+
+        def read(step: Read):
+            if not step.block:
+                return retry_while_unreachable(self.connection.xread, step.streams, deadline=deadline)
             wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if wait <= 0:
                 raise TimeoutError(f"job {job_id}: no end of stream within {timeout} s")
-            reply = retry_while_unreachable(self.connection.xread, {key: last_id}, block=max(1, int(wait * 1000)),
-                                            deadline=deadline)
-            if not reply:
-                end = retry_while_unreachable(self.inferred_end, job_id, deadline=deadline)
-                if end is not None and not retry_while_unreachable(self.connection.xread, {key: last_id}, deadline=deadline):
-                    yield end
-                    return
-                continue
-            for entry_id, fields in reply[0][1]:
-                last_id = entry_id
-                event = StreamEvent.from_fields(fields)
-                if not attempts.accepts(event):
-                    continue  # a lost attempt that is still writing
-                yield event
-                if event.terminal:
-                    return
+            return retry_while_unreachable(self.connection.xread, step.streams, block=max(1, int(wait * 1000)),
+                                           deadline=deadline)
+
+        yield from read_events(job_id, read, lambda: retry_while_unreachable(self.inferred_end, job_id,
+                                                                             deadline=deadline))
 
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
         """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError."""

@@ -6,7 +6,7 @@ A request may carry one constraint: `response_format` (OpenAI's `json_schema`, `
 grammar string. The same function runs where the request is made (pydantic validation of
 `GenerationRequest`: the client, the gateway and batch lines refuse an invalid or unsupported schema
 before anything is enqueued) and in the worker, which compiles that grammar against its tokenizer
-(workers/structured.py). llguidance refuses schema keywords it does not implement rather than ignoring
+(workers/engine/structured.py). llguidance refuses schema keywords it does not implement rather than ignoring
 them, so an answer that ends with `stop` always validates against its schema.
 
 JSON is generated without whitespace between tokens (llguidance's `whitespace_flexible: false`): a model

@@ -19,7 +19,7 @@ MAX_TOKENS_LIMIT = 1 << 15
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_MESSAGES = 1024
-MAX_REQUEST_METADATA_ITEMS = 64  # a request's own metadata (a batch's, as OpenAI limits it: batches/model.py)
+MAX_REQUEST_METADATA_ITEMS = 64  # a request's own metadata (a batch's, as OpenAI limits it: batches/batch_object.py)
 MAX_MODEL_NAME_CHARS = 256
 MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
@@ -289,7 +289,8 @@ class StreamEvent(_Tolerant):
 
     type: StreamEventType
     execution_id: str | None = Field(None, description="None only on an end written for an execution that is gone "
-                                                       "(by the worker that recovered its job, or inferred by a reader)")
+                                                       "(by the worker that recovered its job, or inferred by a "
+                                                       "reader)")
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     index: int = 0

@@ -1,4 +1,4 @@
-"""Service classes: how urgent a job is, and which RQ queue holds it.
+"""Service classes: how urgent a job is. The vocabulary the scheduler, the job system and the OpenAI formats share.
 
 Three classes, most urgent first: `priority`, `interactive` (the default for a single request, however it was
 enqueued: the gateway, `Client.submit`, `batcher submit`, a plain-RQ enqueue to a queue) and `batch` (the lines
@@ -7,44 +7,24 @@ of a batch, and a single request with OpenAI's `service_tier: "flex"`). Within a
 
     priority level 0 ... 9, then interactive level 0 ... 9, then batch level 0 ... 9
 
-Each class has its own RQ queues, derived from the queue a producer named (`routed`: the base queue, or its
-model queue), so jobs stay visible to `rq info` and keep every guarantee of docs/reliability.md:
-- interactive: `routed` and `routed.pN`, the names they always had;
-- priority: `routed.priority` and `routed.priority.pN`;
-- batch: one queue per tenant, `routed.batch-<tenant>` (`routed.batch` without one), and `.pN` levels.
-The batch queues of a base are many, so they are registered (`keys.class_queues_key`) for workers and
-`batcher queues` to find. Between tenants the worker picks fairly (`batcher.fairness`).
+Each class has its own RQ queues (`batcher.jobs.queues`); OpenAI's service tiers map onto the classes
+(`batcher.openai.service_tiers`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
-
-from batcher import keys
 
 PRIORITY, INTERACTIVE, BATCH = "priority", "interactive", "batch"
 CLASSES = (PRIORITY, INTERACTIVE, BATCH)  # most urgent first
 RANK = {name: rank for rank, name in enumerate(CLASSES)}
 ServiceClass = Literal["priority", "interactive", "batch"]
 
-# OpenAI's service_tier values, and the class each one runs in; an answer echoes the tier of its class.
-SERVICE_TIERS = {"auto": INTERACTIVE, "default": INTERACTIVE, "flex": BATCH, "priority": PRIORITY}
-TIER_OF_CLASS = {PRIORITY: "priority", INTERACTIVE: "default", BATCH: "flex"}
-
 # A batch line whose batch has less than this left is due: the pick takes it before other batch work, as urgent
-# work (`batcher.fairness`), and the engine runs it at interactive urgency, never preempting it for interactive work.
+# work (`batcher.jobs.fairness`), and the engine runs it at interactive urgency, never preempting it for
+# interactive work.
 DEADLINE_BOOST_S = 15 * 60
-
-TENANT_TOKEN_CHARS = 40  # a tenant's part of a queue name; longer (or odd) tenants get a slug and a hash
-TENANT_HASH_CHARS = 8
-SAFE_TENANT = re.compile(rf"[A-Za-z0-9_-]{{1,{TENANT_TOKEN_CHARS}}}")
-NO_TENANT = "-"  # the counter of batch work that names no tenant
-CLASS_SEPARATOR = "."
-BATCH_TENANT_SEPARATOR = "-"
 
 
 def class_of(request) -> str:
@@ -52,58 +32,6 @@ def class_of(request) -> str:
     if request.service_class is not None:
         return request.service_class
     return BATCH if request.batch is not None else INTERACTIVE
-
-
-def tenant_token(tenant: str | None) -> str:
-    """A tenant as it appears in a queue name and a fairness counter: itself when it is short and plain."""
-    if tenant is None:
-        return NO_TENANT
-    if SAFE_TENANT.fullmatch(tenant):
-        return tenant
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", tenant).strip("-")[:TENANT_TOKEN_CHARS - TENANT_HASH_CHARS - 1]
-    return f"{slug or 't'}-{hashlib.sha1(tenant.encode()).hexdigest()[:TENANT_HASH_CHARS]}"
-
-
-def class_queue(routed: str, service_class: str, level: int, tenant: str | None = None) -> str:
-    """The RQ queue of one (routed queue, class, level, tenant); only batch queues are per tenant."""
-    if service_class == INTERACTIVE:
-        return keys.queue_name(routed, level)
-    if service_class not in RANK:
-        raise ValueError(f"a service class is one of {', '.join(CLASSES)}, got {service_class!r}")
-    name = keys.check_queue(routed) + CLASS_SEPARATOR + service_class
-    if service_class == BATCH and tenant is not None:
-        name += BATCH_TENANT_SEPARATOR + tenant_token(tenant)
-    keys.queue_name(routed, level)  # checks the level
-    return name + (f"{keys.PRIORITY_SEPARATOR}{level}" if level else "")
-
-
-@dataclass(frozen=True)
-class QueueClass:
-    """What a queue's name says: the queue a producer routed to, the class, the level, the tenant's token."""
-
-    routed: str
-    service_class: str
-    level: int
-    tenant: str | None = None
-
-    @property
-    def rank(self) -> int:
-        return RANK[self.service_class]
-
-
-def parse_queue(name: str) -> QueueClass:
-    """The class of an RQ queue of batcher's (any other name reads as interactive level 0)."""
-    routed, *parts = name.split(CLASS_SEPARATOR)
-    service_class, tenant, level = INTERACTIVE, None, 0
-    for part in parts:
-        if part.startswith("p") and part[1:].isdigit():
-            level = int(part[1:])
-        elif part == PRIORITY:
-            service_class = PRIORITY
-        elif part == BATCH or part.startswith(BATCH + BATCH_TENANT_SEPARATOR):
-            service_class = BATCH
-            tenant = part[len(BATCH) + 1:] or None
-    return QueueClass(routed, service_class, level, tenant)
 
 
 def urgency_of(request, now: datetime | None = None) -> tuple[int, int]:

@@ -264,7 +264,7 @@ def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
 def current_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the step's metadata: run the model through "
-                           "workers.runner.ModelRunner (inside kernels.attention.step_metadata)")
+                           "workers.model.runner.ModelRunner (inside kernels.attention.step_metadata)")
     return _current
 
 

@@ -11,7 +11,7 @@ this kind (its `backend` says so), so the transformers attention function and th
 
 triton is imported only when a kernel first runs, so `import kernels` and the torch path never need it.
 On a CPU the kernels run only under `TRITON_INTERPRET=1` (slowly: that is how the tests check them);
-`workers.attention_backend` picks the backend and refuses one that cannot run.
+`workers.model.attention_backend` picks the backend and refuses one that cannot run.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def _paged_attention_kernel(
     split_high = tl.minimum(split_low + per_split, tile_high)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     for tile in range(split_low, split_high):
         keys = tile * KV_TILE + tl.arange(0, KV_TILE)
@@ -144,7 +144,7 @@ def _paged_attention_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet stays at zero
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
         p = p.to(v.dtype)
         if DOT_IN_FP32:
             p = p.to(tl.float32)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
-from workers.engine import Engine, build_engine
+from workers.engine.engine import Engine, build_engine
 
 _references: dict[str, torch.nn.Module] = {}
 

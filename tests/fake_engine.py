@@ -1,4 +1,4 @@
-"""The test suite's stand-in for workers.engine.Engine: the bench's engine without a model
+"""The test suite's stand-in for workers.engine.engine.Engine: the bench's engine without a model
 (`workers.bench.letter_engine`), plus the faults a test needs.
 
 Each request generates one token per step: token i of the output is `FIRST_TOKEN + i`, whose text is
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from batcher.schema import GenerationRequest
 from workers.bench.letter_engine import FIRST_TOKEN, LetterEngine
-from workers.engine_api import RequestError, RequestOutput
+from workers.engine.api import RequestError, RequestOutput
 
 
 class FakeEngine(LetterEngine):

@@ -12,13 +12,14 @@ import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher import keys
+from batcher.batches.batch_object import BatchInputError, BatchNotFound
 from batcher.batches.lines import record_outcome_on
-from batcher.batches.model import BatchInputError, BatchNotFound
 from batcher.client import Client
-from batcher.job_life import decode_request
+from batcher.jobs import keys
+from batcher.jobs.life import decode_request
+from batcher.jobs.queues import class_queue
 from batcher.schema import GenerationResult, Usage
-from batcher.service_class import BATCH, class_queue
+from batcher.service_class import BATCH
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
 
@@ -260,7 +261,7 @@ def test_a_job_that_only_claims_to_be_in_a_batch_changes_nothing_in_it(fake_redi
 
 
 def test_queues_report_the_model_each_routes_to_and_whether_a_live_worker_serves_it(fake_redis):
-    from batcher.admin import queue_overview
+    from batcher.jobs.admin import queue_overview
 
     client = Client(fake_redis)
     client.submit_many([{"prompt": "x", "model": "m1"}, {"prompt": "y", "model": "m2"}, "z"])

@@ -214,7 +214,7 @@ def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
 
 
 def test_the_job_rate_bench_runs_every_job_through_a_real_worker():
-    from workers.bench.job_rate import QUEUE, rate
+    from workers.bench.experiments.job_rate import QUEUE, rate
     from workers.bench.private_redis import private_redis
 
     with private_redis() as connection:

@@ -7,8 +7,8 @@ import pytest
 
 from batcher.schema import GenerationRequest, SamplingParams
 from tests.engine_helpers import engine_for, run_all
-from workers.choices import choice_seed
-from workers.engine_api import RequestError
+from workers.engine.api import RequestError
+from workers.engine.choices import choice_seed
 
 PROMPT = list(range(20, 60))  # two full blocks of 16, and 8 more
 

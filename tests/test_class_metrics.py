@@ -1,4 +1,5 @@
-"""Metrics per service class and tenant (workers/class_metrics.py) on a real tiny engine, preempting for urgency."""
+"""Metrics per service class and tenant (workers/job_worker/class_metrics.py) on a real tiny engine, preempting for
+urgency."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from prometheus_client import CollectorRegistry
 
 from batcher.schema import Timings
 from tests.engine_helpers import engine_for, greedy, random_prompts
-from workers import class_metrics
-from workers.class_metrics import ClassMetrics, combined_hooks
-from workers.in_flight import JobEnd
+from workers.job_worker import class_metrics
+from workers.job_worker.class_metrics import ClassMetrics, combined_hooks
+from workers.job_worker.in_flight import JobEnd
 
 
 def test_queue_time_ttft_tokens_and_urgency_preemptions_by_class_and_tenant(tiny_model_dir):
@@ -40,7 +41,8 @@ def test_queue_time_ttft_tokens_and_urgency_preemptions_by_class_and_tenant(tiny
     assert value("batcher_class_queue_time_seconds_count", service_class="batch") == 2
     assert value("batcher_class_time_to_first_token_seconds_count", service_class="interactive") == 1
     assert value("batcher_tenant_tokens_total", service_class="batch", tenant="key-a", kind="generated") == 6
-    assert value("batcher_tenant_tokens_total", service_class="interactive", tenant="none", kind="prompt") == len(prompts[2])
+    assert (value("batcher_tenant_tokens_total", service_class="interactive", tenant="none", kind="prompt")
+            == len(prompts[2]))
 
 
 def test_tenant_labels_are_bounded():

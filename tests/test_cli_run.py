@@ -9,7 +9,6 @@ from openai.types import CompletionUsage
 from batcher.cli import main
 from tests.engine_helpers import reference_tokens
 
-
 DOCUMENT = list(range(20, 40))  # one whole block of 16 tokens, and 4 more
 
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from batcher.client import Client
 from batcher.constraints import InvalidConstraint
-from batcher.openai_batch import (
+from batcher.openai.batch_lines import (
     CHAT_URL,
     BatchLineError,
     BodyError,
@@ -43,7 +43,8 @@ def test_a_constrained_request_survives_the_wire_and_names_its_grammar():
     assert again == request and again.grammar() == request.grammar() and "json_schema" in again.grammar()
     assert GenerationRequest(prompt="x", response_format={"type": "text"}).grammar() is None
     assert GenerationRequest(prompt="x").grammar() is None
-    assert GenerationRequest(prompt="x", regex="[0-9]+").grammar() != GenerationRequest(prompt="x", choice=["1"]).grammar()
+    assert (GenerationRequest(prompt="x", regex="[0-9]+").grammar()
+            != GenerationRequest(prompt="x", choice=["1"]).grammar())
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SCHEMAS))

@@ -18,9 +18,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 from rq import Queue
 
-from batcher.keys import DEFAULT_QUEUE, priority_queue_names
+from batcher.jobs.keys import DEFAULT_QUEUE, priority_queue_names
 from tests.fake_engine import FakeEngine
-from workers.metrics import EngineMetrics
+from workers.job_worker.engine_metrics import EngineMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -179,7 +179,7 @@ def test_compose_builds_stages_that_exist_and_mounts_files_that_exist(compose):
 
 
 def test_compose_ha_profile_adds_a_replica_three_sentinels_and_a_pool_that_follows_the_primary(compose):
-    from batcher.connection import parse_sentinel_url
+    from batcher.jobs.connection import parse_sentinel_url
 
     services = compose["services"]
     assert all(services[name]["profiles"] == ["ha"] for name in HA_SERVICES)
@@ -344,7 +344,8 @@ def test_keda_scales_the_worker_on_the_sum_of_its_rq_queues(k8s, kustomization, 
     spec = k8s["ScaledObject", "worker"]["spec"]
     assert spec["scaleTargetRef"]["name"] == "worker"
     assert 1 <= spec["minReplicaCount"] < spec["maxReplicaCount"]
-    args = worker_container["args"]  # the jobs that name the worker's model (all the gateway's) and those that name none
+    # the jobs that name the worker's model (all the gateway's) and those that name none
+    args = worker_container["args"]
     queues = priority_queue_names([flag(args, "--queue")], model=flag(args, "--model"))
     expected = {Queue.redis_queue_namespace_prefix + q for q in queues}  # RQ's list key: rq:queue:<name>
     triggers = spec["triggers"]
@@ -391,7 +392,7 @@ def test_prometheus_finds_workers_by_their_shared_dns_name(scrape_job, compose, 
 
 
 def exposed_metric_names() -> set[str]:
-    """Every series name that workers/metrics.py exposes (with _total, _bucket, _sum, _count)."""
+    """Every series name that workers/job_worker/engine_metrics.py exposes (with _total, _bucket, _sum, _count)."""
     registry = CollectorRegistry()
     EngineMetrics(FakeEngine(), registry).set_queue_depth(DEFAULT_QUEUE, 0)
     return {s.name for family in registry.collect() for s in family.samples}

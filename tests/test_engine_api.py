@@ -7,8 +7,8 @@ import pytest
 from batcher.schema import GenerationRequest
 from tests.engine_helpers import engine_for
 from tests.fake_engine import FakeEngine
-from workers.engine import Engine
-from workers.engine_api import EngineProtocol
+from workers.engine.api import EngineProtocol
+from workers.engine.engine import Engine
 
 METHODS = ["add", "step", "abort", "has_work", "stats"]
 PROPERTIES = ["free_slots", "urgent_room", "batch_deficit"]
@@ -32,4 +32,5 @@ def test_instances_satisfy_the_protocol(tiny_model_dir):
         assert (stats.num_running, stats.num_waiting, stats.last_step) == (0, 0, None)
         assert stats.free_slots == engine.free_slots > 0 and stats.dtype == "float32"
         assert engine.add("r", GenerationRequest(prompt_token_ids=[5, 6, 7])) is None  # nothing live leaves the engine
-        assert engine.stats().num_running + engine.stats().num_waiting == 1 and engine.free_slots == stats.free_slots - 1
+        assert (engine.stats().num_running + engine.stats().num_waiting == 1
+                and engine.free_slots == stats.free_slots - 1)

@@ -5,7 +5,7 @@ import torch
 
 from batcher.schema import GenerationRequest, SamplingParams
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
-from workers.engine_api import RequestError
+from workers.engine.api import RequestError
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Service classes and the fair pick (batcher/service_class.py, batcher/fairness.py) on a Redis with Lua.
+"""Service classes and the fair pick (batcher/service_class.py, batcher/jobs/fairness.py) on a Redis with Lua.
 
 The pick is run on fakeredis (the demo's embedded Redis, which runs the same Lua) and, for the test of two
 pickers at once, on the real Redis. A simulated job ends right after it is picked, charging its real cost."""
@@ -11,12 +11,12 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batcher import fairness, keys
 from batcher.client import Client
-from batcher.fairness import Candidate, Picker, charge_on, cost
+from batcher.jobs import fairness, keys
+from batcher.jobs.fairness import Candidate, Picker, charge_on, cost
+from batcher.jobs.queues import class_queue, parse_queue, tenant_token
 from batcher.schema import GenerationRequest
-from batcher.service_class import (BATCH, INTERACTIVE, PRIORITY, RANK, class_of, class_queue, parse_queue,
-                                   tenant_token, urgency_of)
+from batcher.service_class import BATCH, INTERACTIVE, PRIORITY, RANK, class_of, urgency_of
 from tests.jobs_support import claim_database, fake_redis_fixture, release_database, wait_for  # noqa: F401
 
 BASE = "fair"
@@ -97,7 +97,8 @@ def test_the_client_routes_each_class_to_its_queue_and_registers_the_class_queue
     assert fake_redis.lrange(f"rq:queue:{class_queue(BASE, BATCH, 0, 'team@a.example')}", 0, -1) == [flex.encode()]
     assert fake_redis.lrange(f"rq:queue:{BASE}.batch-key-0123", 0, -1) == [keys.batch_job_id(batch.id, 0).encode()]
     registered = {m.decode() for m in fake_redis.smembers(keys.class_queues_key(BASE))}
-    assert registered == {f"{BASE}.priority.p2", class_queue(BASE, BATCH, 0, "team@a.example"), f"{BASE}.batch-key-0123"}
+    assert registered == {f"{BASE}.priority.p2", class_queue(BASE, BATCH, 0, "team@a.example"),
+                          f"{BASE}.batch-key-0123"}
 
 
 # ----- the pick -----
@@ -140,7 +141,8 @@ def test_over_any_window_a_backlogged_tenant_gets_its_share_less_a_request(fake_
     while True:
         if len(served) == late and joined_at is None:
             joined_at = len(served)
-            push(fake_redis, class_queue(BASE, BATCH, 0, tenants[-1]), [f"{tenants[-1]}-{j}" for j in range(len(costs[-1]))])
+            push(fake_redis, class_queue(BASE, BATCH, 0, tenants[-1]),
+                 [f"{tenants[-1]}-{j}" for j in range(len(costs[-1]))])
         _, taken = picker.pick(rows, free=1)
         if not taken:
             break
@@ -312,7 +314,7 @@ def test_two_pickers_at_once_share_one_counter_and_take_each_job_once():
 def test_an_idle_workers_wait_wakes_on_a_job_and_leaves_the_queue_as_it_was():
     """An idle worker blocks on its first queue without taking anything, so the pick then chooses fairly."""
     from tests.fake_engine import FakeEngine
-    from workers.worker import JobWorker
+    from workers.job_worker.worker import JobWorker
 
     url, redis = claim_database()
     try:

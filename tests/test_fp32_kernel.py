@@ -14,7 +14,7 @@ from kernels.attention import decode_attention
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.paged_cache import cache_slots, scattered_cache
 from tests.tiny_models import build_tiny_model
-from workers.packed_linear import FewRowsLinear, route_fp32_linears
+from workers.model.packed_linear import FewRowsLinear, route_fp32_linears
 
 FLAGS = native.cpu_flags()
 served_here = pytest.mark.skipif(
@@ -161,7 +161,8 @@ def test_paged_decode_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="1 to 8 query heads per KV head, not 18 over 2"):
         native.paged_decode(torch.randn(1, 18, 64), k_cache, v_cache, tables, torch.tensor([20]), 16, 0.1)
     assert native.why_not(torch.device("cpu"), torch.float32, 9, 3, 64) is None
-    assert native.why_not(torch.device("cpu"), torch.float16, 9, 3, 64) == "they run in bfloat16 or float32, not float16"
+    assert (native.why_not(torch.device("cpu"), torch.float16, 9, 3, 64)
+            == "they run in bfloat16 or float32, not float16")
 
 
 @pytest.fixture(scope="module")

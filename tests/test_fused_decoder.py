@@ -1,4 +1,4 @@
-"""The fused decoder forward (`workers.fused_decoder`) and the layer ops it runs (`kernels.native`), in bf16 and
+"""The fused decoder forward (`workers.model.fused_decoder`) and the layer ops it runs (`kernels.native`), in bf16 and
 fp32.
 
 The layer ops must give transformers' own bits, and the fused forward the logits of transformers' forward on
@@ -16,8 +16,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from kernels import native
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
 from tests.tiny_models import build_tiny_model
-from workers.fused_decoder import FusedDecoder, why_not
-from workers.packed_linear import JointLinear, pack_linears, route_fp32_linears
+from workers.model.fused_decoder import FusedDecoder, why_not
+from workers.model.packed_linear import JointLinear, pack_linears, route_fp32_linears
 
 FLAGS = native.cpu_flags()
 

@@ -13,22 +13,22 @@ from fakeredis import aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.testclient import TestClient
 
-from batcher import files as core_files
-from batcher import keys
+from batcher.batches import file_store as core_files
+from batcher.batches.file_store import FileLimits
 from batcher.cli import main
 from batcher.client import Client
-from batcher.durability import NotReplicated
-from batcher.files import FileLimits
-from batcher.gateway import jobs as gateway_jobs
+from batcher.gateway import job_streams as gateway_jobs
 from batcher.gateway.app import GatewayConfig, create_app
 from batcher.gateway.auth import ApiKeys, UnsafeBind, check_bind, tenant_of
-from batcher.gateway.jobs import AttemptDiverged, TextRelay
-from batcher.openai_batch import response_body
+from batcher.gateway.job_streams import AttemptDiverged, TextRelay
+from batcher.jobs import keys
+from batcher.jobs.durability import NotReplicated
+from batcher.jobs.worker_stats import WorkerStats
+from batcher.openai.batch_lines import response_body
 from batcher.schema import GenerationResult, StreamEvent, Usage
-from batcher.worker_stats import WorkerStats
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
-from workers.worker import JobWorker
+from workers.job_worker.worker import JobWorker
 
 A, B = {"Authorization": "Bearer key-of-a"}, {"Authorization": "Bearer key-of-b"}
 MODEL = "fake-model"
@@ -121,7 +121,8 @@ def test_an_open_gateway_listens_only_on_loopback():
 
 def test_without_a_valid_key_v1_answers_401_and_probes_stay_open(gateway):
     assert error_of(gateway.get("/v1/models"), 401)["code"] == "missing_api_key"
-    assert error_of(gateway.get("/v1/batches", headers={"Authorization": "Bearer nope"}), 401)["code"] == "invalid_api_key"
+    assert (error_of(gateway.get("/v1/batches", headers={"Authorization": "Bearer nope"}), 401)["code"]
+            == "invalid_api_key")
     assert error_of(gateway.get("/v1/models", headers={"Authorization": "Basic a2V5"}), 401)
     assert gateway.get("/health").json() == {"status": "ok"}
     assert 'route="/v1/batches",status="401"' in gateway.get("/metrics").text
@@ -134,7 +135,8 @@ def test_a_file_round_trips_and_belongs_to_its_tenant(gateway, fake_redis):
     assert created.status_code == 200, created.text
     file = created.json()
     assert set(file) == {"id", "object", "bytes", "created_at", "expires_at", "filename", "purpose", "status"}
-    assert (file["object"], file["bytes"], file["filename"], file["purpose"]) == ("file", len(text), "in.jsonl", "batch")
+    assert ((file["object"], file["bytes"], file["filename"], file["purpose"])
+            == ("file", len(text), "in.jsonl", "batch"))
     assert file["expires_at"] - file["created_at"] == core_files.DEFAULT_FILE_RETENTION_S
     assert gateway.get(f"/v1/files/{file['id']}", headers=A).json() == file
     assert gateway.get(f"/v1/files/{file['id']}/content", headers=A).text == text
@@ -206,7 +208,8 @@ def test_batches_from_a_file_list_by_tenant_and_cancel(gateway):
     assert gateway.post(f"/v1/batches/{batch['id']}/cancel", headers=A).json()["status"] == "cancelled"
     ended = gateway.get(f"/v1/batches/{batch['id']}", headers=A).json()
     assert ended["error_file_id"] == f"{batch['id']}_errors" and ended["output_file_id"] is None
-    errors = [json.loads(x) for x in gateway.get(f"/v1/files/{ended['error_file_id']}/content", headers=A).text.splitlines()]
+    errors = [json.loads(x)
+              for x in gateway.get(f"/v1/files/{ended['error_file_id']}/content", headers=A).text.splitlines()]
     assert [e["custom_id"] for e in errors] == ["c0", None, "c2", "c3"]
     assert [e["error"]["code"] for e in errors] == ["batch_cancelled", "invalid_request", "invalid_request",
                                                     "batch_cancelled"]
@@ -329,7 +332,8 @@ def test_a_restarted_job_streams_on_seamlessly_or_says_it_diverged():
     relay = TextRelay()
     assert [relay.delta(token([1], "a")), relay.delta(token([2], "b"))] == ["a", "b"]
     relay.restart()  # the new attempt repeats [1, 2], in other event boundaries, then goes on
-    assert [relay.delta(token([1, 2], "ab")), relay.delta(token([3], "c")), relay.delta(token([4], "d"))] == ["", "c", "d"]
+    assert [relay.delta(token([1, 2], "ab")), relay.delta(token([3], "c")),
+            relay.delta(token([4], "d"))] == ["", "c", "d"]
     relay.check_end()
     relay.restart()
     with pytest.raises(AttemptDiverged):

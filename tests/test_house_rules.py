@@ -1,5 +1,6 @@
-"""The shape of the code, checked: module sizes, one-way imports with no circles, one CLI door into workers/, RQ's
-internals in one adapter, and the scheduler as the only writer of a sequence's state."""
+"""The shape of the code, checked: module sizes, one-way imports with no circles, the seams between the folders
+(DESIGN.md section 2), one CLI door into workers/, RQ's internals in one adapter, the scheduler as the only writer
+of a sequence's state, and one meaning per file name."""
 
 import ast
 import importlib
@@ -10,11 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("batcher", "workers", "kernels")
 MAX_LINES = 400
 MAX_WORKER_LINES = 300  # the worker's own modules: its loop and the state each piece owns
-WORKER_MODULES = ("worker", "in_flight", "admission", "job_ends", "leases", "streams", "stats_publisher")
-RQ_ADAPTER = "batcher.rq_adapter"
+JOB_WORKER = "workers.job_worker"
+WORKER_MODULES = ("worker", "in_flight", "admission", "job_ends", "leases", "stream_writer", "stats_publisher")
+RQ_ADAPTER = "batcher.jobs.rq_adapter"
+EXPERIMENTS = "workers.bench.experiments"
+BENCH_DOOR = "workers.entrypoints"  # the one module that imports `batcher bench`, and only lazily
 RQ_INTERNALS = re.compile(r"_job_registry\b|\bFailedJobRegistry\b|intermediate_queue|\bclean_registries\b|"
                           r"_handle_success|_handle_failure|\bjob\._result\b|_stop_requested")
-SEQUENCE_WRITERS = ("batcher.scheduler", "batcher.sequence")
+SEQUENCE_WRITERS = ("batcher.scheduler.scheduler", "batcher.scheduler.sequence")
 
 
 def modules() -> dict[str, Path]:
@@ -26,34 +30,47 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """The project modules `path` imports anywhere (lazily and under TYPE_CHECKING too)."""
+def imports(path: Path, known: dict[str, Path] | None = None, top_level: bool = False) -> set[str]:
+    """The modules `path` imports anywhere (lazily and under TYPE_CHECKING too), or at its top level alone; the
+    project's modules where `known` is given, else every top-level package it names."""
+    tree = ast.parse(path.read_text())
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in (tree.body if top_level else ast.walk(tree)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & known.keys()
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & (known or {}).keys()
             found |= submodules or {node.module}  # `from package import module` imports the module
+    if known is None:
+        return {name.partition(".")[0] for name in found}
     return {name for name in found if name in known}
+
+
+def in_folder(name: str, folder: str) -> bool:
+    return name == folder or name.startswith(folder + ".")
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) - {name} for name, path in known.items()}
 
 
 def test_no_module_passes_its_size():
     sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
     assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
-    worker = {n: s for n, s in sizes.items() if n.removeprefix("workers.") in WORKER_MODULES}
+    worker = {n: s for n, s in sizes.items() if n.removeprefix(JOB_WORKER + ".") in WORKER_MODULES}
     assert len(worker) == len(WORKER_MODULES) and max(worker.values()) < MAX_WORKER_LINES, worker
 
 
 def test_imports_go_one_way_without_circles_and_the_cli_has_one_door_into_workers():
-    known = modules()
-    graph = {name: imports(path, known) - {name} for name, path in known.items()}
-    assert [n for n in graph if n.startswith("batcher") and any(t.startswith("workers") for t in graph[n])] == [
+    known, edges = modules(), graph()
+    assert [n for n in edges if n.startswith("batcher") and any(t.startswith("workers") for t in edges[n])] == [
         "batcher.cli.engine_commands"]
-    assert graph["batcher.cli.engine_commands"] & {n for n in known if n.startswith("workers")} == {
+    assert edges["batcher.cli.engine_commands"] & {n for n in known if n.startswith("workers")} == {
         "workers.entrypoints"}
-    assert not [n for n in graph if n.startswith("kernels") and graph[n] - {m for m in known if m.startswith("kernels")}]
-    cycle = _a_cycle(graph)
+    assert not [n for n in edges
+                if n.startswith("kernels") and edges[n] - {m for m in known if m.startswith("kernels")}]
+    cycle = _a_cycle(edges)
     assert cycle is None, " -> ".join(cycle)
 
 
@@ -76,6 +93,64 @@ def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _crossings(source: str, forbidden: tuple[str, ...], third_party: tuple[str, ...] = ()) -> dict[str, set[str]]:
+    """Each module of folder `source` that imports a module of a `forbidden` folder or a `third_party` package."""
+    known, edges, found = modules(), graph(), {}
+    for name in edges:
+        if in_folder(name, source):
+            bad = {t for t in edges[name] if any(in_folder(t, f) for f in forbidden)}
+            bad |= imports(known[name]) & set(third_party)
+            if bad:
+                found[name] = bad
+    return found
+
+
+def test_the_scheduler_never_sees_redis_nor_the_job_system():
+    assert _crossings("batcher.scheduler", ("batcher.jobs", "batcher.batches", "batcher.client"), ("redis", "rq")) == {}
+
+
+def test_the_job_system_does_not_import_the_scheduler():
+    assert _crossings("batcher.jobs", ("batcher.scheduler",)) == {}
+
+
+def test_the_model_imports_neither_the_engine_nor_the_job_worker():
+    assert _crossings("workers.model", ("workers.engine", JOB_WORKER)) == {}
+
+
+def test_the_engine_imports_neither_redis_rq_nor_the_job_worker():
+    assert _crossings("workers.engine", (JOB_WORKER, "batcher.jobs"), ("redis", "rq")) == {}
+
+
+def test_the_job_worker_imports_neither_torch_nor_the_model_and_only_the_engines_api():
+    engine_but_api = tuple(n for n in modules() if in_folder(n, "workers.engine") and n not in (
+        "workers.engine", "workers.engine.api"))
+    assert _crossings(JOB_WORKER, ("workers.model", *engine_but_api), ("torch", "transformers")) == {}
+
+
+def test_the_bench_is_imported_lazily_by_its_entry_point_alone():
+    known = modules()
+    importers = {name for name, targets in graph().items() if any(in_folder(t, "workers.bench") for t in targets)
+                 and not in_folder(name, "workers.bench")}
+    assert importers <= {BENCH_DOOR}
+    at_import = {t for t in imports(known[BENCH_DOOR], known, top_level=True) if in_folder(t, "workers.bench")}
+    assert at_import == set(), "`batcher worker` must not load the bench harness"
+
+
+def test_nothing_in_the_package_imports_the_experiments():
+    importers = {name for name, targets in graph().items() if any(in_folder(t, EXPERIMENTS) for t in targets)}
+    assert {n for n in importers if not in_folder(n, EXPERIMENTS)} == set()
+
+
+def test_a_file_name_means_one_thing():
+    """No two modules or packages share a name, but a package and its main module (`workers.engine.engine`)."""
+    names: dict[str, set[str]] = {}
+    for name in modules():
+        parent, _, leaf = name.rpartition(".")
+        if parent and leaf != "__main__":
+            names.setdefault(leaf, set()).add(parent if parent.endswith("." + leaf) else name)
+    assert {leaf: where for leaf, where in names.items() if len(where) > 1} == {}
+
+
 def test_rq_internals_and_registries_are_used_in_the_adapter_alone():
     users = {name for name, path in modules().items() if RQ_INTERNALS.search(path.read_text())}
     assert users == {RQ_ADAPTER}
@@ -88,7 +163,7 @@ def test_rq_internals_and_registries_are_used_in_the_adapter_alone():
 def test_only_the_scheduler_writes_a_sequences_state():
     """No module that handles sequences, but the scheduler (and the sequence's own), assigns or grows in place a
     field that `Sequence` has, on anything but `self`."""
-    fields = {node.target.id for node in ast.walk(ast.parse((ROOT / "batcher/sequence.py").read_text()))
+    fields = {node.target.id for node in ast.walk(ast.parse((ROOT / "batcher/scheduler/sequence.py").read_text()))
               if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     mutators = {"append", "extend", "clear", "pop", "insert", "remove"}
 

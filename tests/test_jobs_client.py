@@ -11,11 +11,11 @@ from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher import keys
 from batcher.cli import main, options
 from batcher.client import Client, JobFailed, JobNotFound, QueueFull
-from batcher.job_life import InvalidJob, decode_request
-from batcher.jobs import JOB_FUNCTION, NeedsBatcherWorker, generate
+from batcher.jobs import keys
+from batcher.jobs.contract import JOB_FUNCTION, NeedsBatcherWorker, generate
+from batcher.jobs.life import InvalidJob, decode_request
 from batcher.schema import GenerationRequest, StreamEvent
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
@@ -73,7 +73,7 @@ def test_submit_enqueues_an_rq_job_with_json_and_ttls(fake_redis):
     assert job.args == (request.model_dump(mode="json"),) or job.args == [request.model_dump(mode="json")]
     assert job.kwargs == {} and job.meta == {}
     assert (job.result_ttl, job.failure_ttl, job.ttl) == (111, 222, 333)
-    assert job.retries_left is None  # crash recovery is the worker's (workers/leases.py), not RQ's Retry
+    assert job.retries_left is None  # crash recovery is the worker's (workers/job_worker/leases.py), not RQ's Retry
     assert job.description.startswith("generate: Hello there world") and len(job.description) < 80
     assert 0 < fake_redis.ttl(job.key) <= 333  # the queue TTL
     raw = fake_redis.hget(job.key, "data")

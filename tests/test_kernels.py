@@ -6,8 +6,15 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import (decode_attention, gather_blocks, length_bias, paged_decode_attention, prefill_attention,
-                               shared_prefix_decode_attention, write_kv)
+from kernels.attention import (
+    decode_attention,
+    gather_blocks,
+    length_bias,
+    paged_decode_attention,
+    prefill_attention,
+    shared_prefix_decode_attention,
+    write_kv,
+)
 
 
 def dense_reference(q, k, v, q_positions, scaling, window=None):

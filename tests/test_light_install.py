@@ -7,7 +7,8 @@ import sys
 import batcher
 
 # Every module of the core, found on disk, so that a new one is covered without naming it here.
-CORE_MODULES = sorted(m.name for m in pkgutil.walk_packages(batcher.__path__, "batcher.") if m.name != "batcher.__main__")
+CORE_MODULES = sorted(m.name for m in pkgutil.walk_packages(batcher.__path__, "batcher.")
+                      if m.name != "batcher.__main__")
 
 
 def test_core_imports_without_torch():

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
-from workers.engine import build_engine
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
-from workers.metrics import DEFAULT_METRICS_ADDR, FINISHED_REASONS, EngineMetrics
+from workers.engine.engine import build_engine
+from workers.job_worker.engine_metrics import DEFAULT_METRICS_ADDR, FINISHED_REASONS, EngineMetrics
 
 NUM_REQUESTS = 5
 MAX_TOKENS = 12
@@ -166,7 +166,7 @@ def test_a_worker_counts_every_token_of_every_job_exactly(tiny_model_dir):
     and the token counters equal the jobs' usage (the last token of a job counts too)."""
     from batcher.client import Client
     from tests.jobs_support import embedded_redis
-    from workers.worker import JobWorker
+    from workers.job_worker.worker import JobWorker
 
     connection = embedded_redis()
     engine = build_engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu"))

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from batcher.openai_batch import BatchLineError, parse_batch_line
+from batcher.openai.batch_lines import BatchLineError, parse_batch_line
 
 
 def line(body, url="/v1/completions", **extra):
@@ -14,7 +14,8 @@ def test_completion_with_sampling_fields():
                                       "top_k": 3, "seed": 1, "stop": "\n", "ignore_eos": True}))
     assert cid == "c1" and req.prompt == "hi"
     s = req.sampling
-    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.ignore_eos) == (7, 0.5, 0.9, 3, 1, ["\n"], True)
+    assert ((s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.ignore_eos)
+            == (7, 0.5, 0.9, 3, 1, ["\n"], True))
 
 
 def test_token_id_prompt_and_chat():

@@ -12,10 +12,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
 from batcher.scheduler import Scheduler, StepPlan
-from batcher.sequence import Sequence, SequenceStatus
+from batcher.scheduler.blocks import BlockAllocator
+from batcher.scheduler.sequence import Sequence, SequenceStatus
 from batcher.schema import SamplingParams
 
 TOKEN = 7

@@ -14,14 +14,14 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry, clean_registries
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher import keys
 from batcher.client import Client, JobFailed
-from batcher.jobs import JOB_FUNCTION, MAX_REASON_CHARS
+from batcher.jobs import keys
+from batcher.jobs.contract import JOB_FUNCTION, MAX_REASON_CHARS
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.test_worker import Q, events, expire_leases, fetch, make_worker, request
-from workers.leases import MAX_ATTEMPTS
-from workers.admission import BUSY_RESCAN_S
+from workers.job_worker.admission import BUSY_RESCAN_S
+from workers.job_worker.leases import MAX_ATTEMPTS
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
@@ -251,7 +251,8 @@ def test_a_recoverer_that_comes_late_finds_nothing_to_recover(fake_redis):
     make_worker(fake_redis).work(burst=True)  # recovers the job and runs it to its end
     late = make_worker(fake_redis)
     dead_job, dead_execution = member.decode().split(":")
-    assert not late.keeper._recover(Queue(Q, connection=fake_redis, serializer=JSONSerializer), dead_job, dead_execution)
+    assert not late.keeper._recover(Queue(Q, connection=fake_redis, serializer=JSONSerializer), dead_job,
+                                    dead_execution)
     assert Queue(Q, connection=fake_redis).count == 0
     assert [r.type for r in fetch(fake_redis, job_id).results()] == [Result.Type.SUCCESSFUL]
 
@@ -263,7 +264,7 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_requeued(fake_r
     fake_redis.lmove(queue.key, queue.intermediate_queue_key)  # taken (LMOVE), then the worker was killed
     worker = make_worker(fake_redis)
     assert worker.keeper.recover_expired() == 0  # first seen: it may still be starting
-    monkeypatch.setattr("workers.leases.STRANDED_GRACE_LEASES", 0)
+    monkeypatch.setattr("workers.job_worker.leases.STRANDED_GRACE_LEASES", 0)
     assert worker.keeper.recover_expired() == 1
     assert queue.job_ids == [job_id] and fake_redis.llen(queue.intermediate_queue_key) == 0
     worker.work(burst=True)

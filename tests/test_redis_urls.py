@@ -1,4 +1,4 @@
-"""Redis URLs (batcher.connection) and replica confirmation (batcher.durability).
+"""Redis URLs (batcher.jobs.connection) and replica confirmation (batcher.jobs.durability).
 
 The URL forms are checked without a server; READONLY and WAIT against redis-server processes of our own
 (tests/reliability/support.py), since fakeredis has neither replicas nor WAIT."""
@@ -20,12 +20,18 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.sentinel import SentinelConnectionPool
 
-from batcher import durability
 from batcher.client import REDIS_URL_ENV, Client, connect
-from batcher.connection import (DEFAULT_SENTINEL_PORT, DEMOTED, FailoverConnection, connect_async, describe,
-                                parse_sentinel_url)
-from batcher.connection import connect as connect_url
-from batcher.durability import NotReplicated, ReplicaWait
+from batcher.jobs import durability
+from batcher.jobs.connection import (
+    DEFAULT_SENTINEL_PORT,
+    DEMOTED,
+    FailoverConnection,
+    connect_async,
+    describe,
+    parse_sentinel_url,
+)
+from batcher.jobs.connection import connect as connect_url
+from batcher.jobs.durability import NotReplicated, ReplicaWait
 from tests.jobs_support import wait_for
 from tests.reliability.support import RedisServer, free_port
 
@@ -141,7 +147,7 @@ def test_confirm_waits_for_the_replica_and_reports_one_that_does_not_answer(prim
         connection.set("job", 2)
         with pytest.raises(NotReplicated, match="0 of 1 replicas confirmed a write within 50 ms"):
             durability.confirm(connection, "a write", ReplicaWait(timeout_ms=50))
-        with caplog.at_level(logging.WARNING, logger="batcher.durability"):
+        with caplog.at_level(logging.WARNING, logger="batcher.jobs.durability"):
             assert durability.confirm(connection, "a write", ReplicaWait(timeout_ms=50), strict=False) == 0
         assert "0 of 1 replicas confirmed" in caplog.text
         with pytest.raises(NotReplicated, match="0 of 2 replicas"):

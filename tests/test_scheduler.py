@@ -5,10 +5,10 @@ sequence that samples this step draws token 7."""
 
 import itertools
 
-from batcher.blocks import BlockAllocator
 from batcher.config import EngineConfig
 from batcher.scheduler import Scheduler
-from batcher.sequence import Sequence, SequenceStatus
+from batcher.scheduler.blocks import BlockAllocator
+from batcher.scheduler.sequence import Sequence, SequenceStatus
 from batcher.schema import SamplingParams
 
 

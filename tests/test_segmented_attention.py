@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from kernels import segmented
-from kernels.attention import (AttentionMetadata, DecodeGroup, PrefillSpan, attend, decode_runs, length_bias,
-                               write_kv)
+from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, attend, decode_runs, length_bias, write_kv
 from kernels.segmented import MAX_VIEW_RUNS, key_rows, key_runs
+from tests.test_kernels import dense_reference
 
 CPU = torch.device("cpu")
-from tests.test_kernels import dense_reference
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 

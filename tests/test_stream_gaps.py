@@ -7,11 +7,11 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from batcher import keys
-from batcher.gateway.jobs import TextRelay
-from batcher.job_stream import AttemptFilter
+from batcher.gateway.job_streams import TextRelay
+from batcher.jobs import keys
+from batcher.jobs.stream import AttemptFilter
 from batcher.schema import GenerationResult, StreamEvent, Usage
-from workers.streams import StreamWriter
+from workers.job_worker.stream_writer import StreamWriter
 
 JOB, EXECUTION = "job-1", "exec-1"
 

@@ -12,11 +12,12 @@ import pytest
 
 from batcher.schema import GenerationRequest, SamplingParams
 from tests.engine_helpers import engine_for, random_prompts, run_all
-from workers import structured
-from workers.engine_api import RequestError
+from workers.engine import structured
+from workers.engine.api import RequestError
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
                          "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3}}}
 WORDS = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2, "maxItems": 2}
 PREEMPTING = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 24}

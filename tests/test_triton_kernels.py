@@ -20,11 +20,11 @@ DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET", "0") == "0" a
                       else "cpu")
 pytest.importorskip("triton", minversion="3.9" if DEVICE.type == "cpu" else None)  # older interpreters lack bf16
 
-from batcher.config import EngineConfig
-from kernels.attention import gather_blocks, prefill_attention, write_kv
-from kernels.triton_attention import FlatAttentionMetadata
-from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
-from workers.attention_backend import AttentionBackendError, resolve_attention_backend
+from batcher.config import EngineConfig  # noqa: E402
+from kernels.attention import gather_blocks, prefill_attention, write_kv  # noqa: E402
+from kernels.triton_attention import FlatAttentionMetadata  # noqa: E402
+from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all  # noqa: E402
+from workers.model.attention_backend import AttentionBackendError, resolve_attention_backend  # noqa: E402
 
 pytestmark = pytest.mark.triton
 KV_HEADS = 2
@@ -193,7 +193,8 @@ def test_greedy_tokens_equal_generate_with_the_triton_backend(tiny_model_dir, fa
 @pytest.mark.slow
 @pytest.mark.parametrize("knobs", [{"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 16},
                                    {"max_num_seqs": 6, "max_num_batched_tokens": 5, "block_size": 1},
-                                   {"max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 4, "num_blocks": 24}])
+                                   {"max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 4,
+                                    "num_blocks": 24}])
 def test_greedy_tokens_equal_generate_for_every_family(tiny_model_dir, family, knobs):
     model_dir = tiny_model_dir(family)
     engine = engine_for(model_dir, dtype="float32", attention_backend="triton", device=str(DEVICE), **knobs)
@@ -224,7 +225,7 @@ def generate_on(model_dir, prompts, max_tokens, device) -> list[list[int]]:
 def test_greedy_tokens_equal_generate_on_the_gpu_check_models(name, tmp_path):
     """What `make gpu-check` asks of a GPU: SmolLM2 (GQA 3) and a tiny Qwen3 (q/k norms), long prompts in chunks."""
     from tests.tiny_models import build_tiny_model
-    from workers.models import smollm2_checkpoint
+    from workers.model.loading import smollm2_checkpoint
 
     if name == "smollm2" and DEVICE.type == "cpu":
         pytest.skip("SmolLM2 in triton's interpreter takes too long: make gpu-check runs it on CUDA")

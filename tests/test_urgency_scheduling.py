@@ -1,5 +1,5 @@
-"""Preemption for urgency in the engine (batcher/preemption.py through the scheduler), and its bounds; then on a
-tiny real model, a sequence preempted for urgency resumes to the same greedy fp32 tokens."""
+"""Preemption for urgency in the engine (batcher/scheduler/preemption.py through the scheduler), and its bounds; then on
+a tiny real model, a sequence preempted for urgency resumes to the same greedy fp32 tokens."""
 
 from __future__ import annotations
 

@@ -16,14 +16,14 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
 
-from batcher import admin, keys
 from batcher.client import Client, JobFailed
-from batcher.jobs import JOB_FUNCTION
+from batcher.jobs import admin, keys
+from batcher.jobs.contract import JOB_FUNCTION
+from batcher.jobs.life import PICKLED_JOB_REASON
 from batcher.schema import GenerationRequest, StreamEvent
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
-from batcher.job_life import PICKLED_JOB_REASON
-from workers.worker import JobWorker
+from workers.job_worker.worker import JobWorker
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 Q = "w"
@@ -339,7 +339,8 @@ def test_a_batch_and_the_feed_are_written_in_the_transaction_that_records_each_r
     done = client.batch(batch.id)
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 1)
     out = [line for line in client.batch_output(batch.id)]
-    assert [json.loads(o)["response"]["body"]["choices"][0]["text"] for o in out] == [expected_text(n) for n in (2, 3, 4)]
+    assert ([json.loads(o)["response"]["body"]["choices"][0]["text"] for o in out]
+            == [expected_text(n) for n in (2, 3, 4)])
     feed = [c.job_id for c in client.completions("g", "c", timeout=0.1)]
     assert sorted(feed) == sorted([plain, *(keys.batch_job_id(batch.id, i) for i in range(4))])
 

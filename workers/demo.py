@@ -19,10 +19,10 @@ from redis import Redis
 
 from batcher.client import Client, JobFailed
 from batcher.config import EngineConfig
-from batcher.openai_batch import parse_batch_line
+from batcher.openai.batch_lines import parse_batch_line
 from batcher.schema import GenerationRequest
-from workers.engine import Engine
-from workers.worker import JobWorker
+from workers.engine.engine import Engine
+from workers.job_worker.worker import JobWorker
 
 SAMPLES = "samples.jsonl"
 REDRAW_S = 0.5

@@ -7,13 +7,16 @@ alone, lazily (the light install has no torch). Each function takes plain values
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from batcher import keys
 from batcher.client import connect
 from batcher.config import EngineConfig
-from workers.bench.report import BenchReport
-from workers.bench.system import System
-from workers.engine import Engine, build_engine
+from batcher.jobs import keys
+from workers.engine.engine import Engine, build_engine
+
+if TYPE_CHECKING:  # the bench harness loads only when `batcher bench` runs, never in `batcher worker`
+    from workers.bench.report import BenchReport
+    from workers.bench.system import System
 
 
 def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig, *, name: str | None,
@@ -21,7 +24,7 @@ def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig,
                  metrics_addr: str, announce: Callable[[str], None]) -> None:
     """Load the model and serve `queues` (most urgent first, each with its priority levels and its model's
     queue) until drained; with `metrics_port`, serve Prometheus metrics too (announced once listening)."""
-    from workers.worker import JobWorker
+    from workers.job_worker.worker import JobWorker
 
     model_name = served_model_name or engine_config.model
     for queue in queues:
@@ -30,8 +33,8 @@ def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig,
     engine = build_engine(engine_config)
     hooks = {}
     if metrics_port is not None:
-        from workers.class_metrics import ClassMetrics, combined_hooks
-        from workers.metrics import EngineMetrics
+        from workers.job_worker.class_metrics import ClassMetrics, combined_hooks
+        from workers.job_worker.engine_metrics import EngineMetrics
 
         metrics = EngineMetrics(engine)
         server = metrics.start_http_server(metrics_port, metrics_addr)  # after the model loaded: probes rely on it
@@ -55,6 +58,8 @@ def run_file(engine: Engine, lines: list[str], on_done: Callable[[], None]) -> l
 
 def parse_system(spec: str) -> System:
     """A bench system from its name (`batcher:continuous@redis`, `hf-cb`...); ValueError names the known ones."""
+    from workers.bench.system import System
+
     return System.parse(spec)
 
 

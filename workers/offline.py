@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from batcher.openai_batch import BatchLineError, error_line, parse_batch_line, response_line
+from batcher.openai.batch_lines import BatchLineError, error_line, parse_batch_line, response_line
 from batcher.schema import Timings
-from workers.engine import Engine
-from workers.engine_api import RequestError
+from workers.engine.api import RequestError
+from workers.engine.engine import Engine
 
 
 def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] = lambda: None) -> list[dict]:

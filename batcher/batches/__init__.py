@@ -4,17 +4,17 @@ The package: `model` (the Batch object, ids, windows), `ingest` (a batch file re
 `store` (create, read, list, cancel, expire), `lines` (each request's outcome, and the rendered files) and
 `scripts` (the Lua scripts). Import from the module you need: this file only explains.
 
-Redis holds, per batch (every key is named in batcher/keys.py):
+Redis holds, per batch (every key is named in batcher/jobs/keys.py):
 - `batcher:batch:<id>`: a hash with the Batch object's fields: status, counts, timestamps, metadata;
 - `batcher:batch:<id>:custom_ids`: a list of the lines' custom_ids in input order;
 - `batcher:batch:<id>:lines`: a hash, input index -> that request's output or error line;
-- `batcher:feed:<id>`: the batch's completion feed (batcher/feed.py).
+- `batcher:feed:<id>`: the batch's completion feed (batcher/jobs/feed.py).
 Job i of batch B has the id `B-i`, so the batch keeps no list of job ids: a queue or a registry is
 searched for the batch's jobs by that prefix, and a job's index is in its own argument (BatchItem).
 
 Counts are exact through crashes and retries: a job's outcome is written by one Lua script that runs
 inside the transaction recording the job's result (`lines.record_outcome_on`, called by
-`batcher.job_life.record_end`). The script writes the line with
+`batcher.jobs.life.record_end`). The script writes the line with
 HSETNX, and counts it only if it was new, so whoever records an index first wins and a repeated or
 late write (a retried job, a job stopped after its batch was cancelled) changes nothing. That is O(1)
 Redis work per job, with no scan over the batch. The same script moves the batch to `completed` (or

@@ -13,11 +13,11 @@ from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
-from batcher import keys
-from batcher.batches.model import DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch
+from batcher.batches.batch_object import DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch
 from batcher.batches.store import BatchStore
-from batcher.enqueue import Enqueuer, QueueFull
-from batcher.openai_batch import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
+from batcher.jobs import keys
+from batcher.jobs.enqueue import Enqueuer, QueueFull
+from batcher.openai.batch_lines import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
 from batcher.schema import BatchItem, GenerationRequest
 from batcher.service_class import BATCH
 

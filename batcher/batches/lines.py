@@ -1,7 +1,7 @@
 """A batch's lines: each request's outcome, written once by one script, and the output and error files
 rendered from them in input order.
 
-Every job end reports here (`record_outcome_on`, called by `batcher.job_life.record_end`): a batch job's
+Every job end reports here (`record_outcome_on`, called by `batcher.jobs.life.record_end`): a batch job's
 output or error line and its counts, and, for every job, its completion-feed entries. A sweep (cancel, expiry)
 gives the lines no job will write an error line (`write_error_line_on`). The script writes a line with HSETNX
 and counts it only if it was new, so whoever records an index first wins, and a repeated or late write changes
@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 from redis import Redis
 
-from batcher import keys
 from batcher.batches import scripts
-from batcher.batches.model import Batch
-from batcher.openai_batch import CHAT_URL, COMPLETIONS_URL, error_line, response_line
+from batcher.batches.batch_object import Batch
+from batcher.jobs import keys
+from batcher.openai.batch_lines import CHAT_URL, COMPLETIONS_URL, error_line, response_line
 from batcher.schema import GenerationRequest, GenerationResult
 
 FEED_MAXLEN = 100_000  # entries kept per feed stream (trimmed approximately)
@@ -69,7 +69,8 @@ def write_error_line_on(pipe, *, batch_id: str, base_queue: str, index: int, cus
     job_id = keys.batch_job_id(batch_id, index)
     line = ERROR_KIND + json.dumps(error_line(custom_id, message, code, request_id=job_id))
     scripts.run(pipe, scripts.RECORD, _record_keys(batch_id, base_queue),
-                [index, "failed", line, "", now, FEED_MAXLEN, job_id, status, custom_id or "", batch_id, base_queue, ""])
+                [index, "failed", line, "", now, FEED_MAXLEN, job_id, status, custom_id or "", batch_id, base_queue,
+                 ""])
 
 
 def rendered(connection: Redis, batch: Batch, errors: bool = False) -> Iterator[str]:

@@ -8,15 +8,26 @@ from collections.abc import Iterator
 
 from redis import Redis
 
-from batcher import keys
 from batcher.batches import scripts
+from batcher.batches.batch_object import (
+    ACTIVE,
+    DEFAULT_BATCH_RETENTION_S,
+    Batch,
+    BatchErrorItem,
+    BatchErrors,
+    BatchInputError,
+    BatchNotFound,
+    check_metadata,
+    new_batch_id,
+    parse_window,
+)
 from batcher.batches.lines import CHUNK, EXPIRED_MESSAGE, rendered, write_error_line_on
-from batcher.batches.model import (ACTIVE, DEFAULT_BATCH_RETENTION_S, Batch, BatchErrorItem, BatchErrors,
-                                   BatchInputError, BatchNotFound, check_metadata, new_batch_id, parse_window, text)
-from batcher.fairness import forget_on
-from batcher.job_life import cancel_held
-from batcher.openai_batch import CHAT_URL, COMPLETIONS_URL
-from batcher.rq_adapter import Queue, cancel_taken_on, held_job_ids, rq_queue
+from batcher.jobs import keys
+from batcher.jobs.fairness import forget_on
+from batcher.jobs.life import cancel_held
+from batcher.jobs.redis_text import as_text
+from batcher.jobs.rq_adapter import Queue, cancel_taken_on, held_job_ids, rq_queue
+from batcher.openai.batch_lines import CHAT_URL, COMPLETIONS_URL
 
 CANCELLED_MESSAGE = "The batch was cancelled before this request finished."
 SWEEPS = {"cancelled": ("batch_cancelled", CANCELLED_MESSAGE), "expired": ("batch_expired", EXPIRED_MESSAGE)}
@@ -43,8 +54,8 @@ class BatchStore:
         batch_id = keys.check_batch_id(batch_id or new_batch_id())
         now = time.time()  # expires_at is whole seconds, as the Batch object shows it and jobs carry it
         fields = {"id": batch_id, "endpoint": endpoint, "completion_window": completion_window,
-                  "status": "validating", "created_at": now, "expires_at": int(now) + window_s, "queue": keys.check_queue(queue),
-                  "total": 0, "completed": 0, "failed": 0, "queues": ""}
+                  "status": "validating", "created_at": now, "expires_at": int(now) + window_s,
+                  "queue": keys.check_queue(queue), "total": 0, "completed": 0, "failed": 0, "queues": ""}
         for name, value in (("model", model), ("owner", owner and keys.check_owner(owner)),
                             ("input_file_id", input_file_id), ("metadata", metadata and json.dumps(metadata))):
             if value:
@@ -114,7 +125,7 @@ class BatchStore:
             start = rank + 1
         found: list[Batch] = []
         while len(found) < limit:
-            ids = [text(i) for i in self.connection.zrevrange(index, start, start + limit - 1)]
+            ids = [as_text(i) for i in self.connection.zrevrange(index, start, start + limit - 1)]
             if not ids:
                 break
             start += len(ids)
@@ -153,7 +164,8 @@ class BatchStore:
 
     def _needs_sweep(self, batch: Batch, raw: dict) -> bool:
         if batch.status in ACTIVE:
-            return batch.status == "in_progress" and time.time() >= float(text(raw.get(b"expires_at", raw.get("expires_at"))))
+            return (batch.status == "in_progress"
+                    and time.time() >= float(as_text(raw.get(b"expires_at", raw.get("expires_at")))))
         # A sweep that did not finish (its process died): the next reader finishes it.
         return batch.status in ("cancelling", "expired", "failed") and not raw.get(b"swept", raw.get("swept"))
 
@@ -161,12 +173,12 @@ class BatchStore:
         """Take the batch's queued jobs out, give every index without a line an error line, stop the rest."""
         code, message = SWEEPS.get(ended_as, ("batch_failed", "The batch failed before this request ran."))
         raw = self.connection.hmget(keys.batch_key(batch_id), "queues", "total")
-        rq_queues = [q for q in text(raw[0] or b"").split(",") if q]
+        rq_queues = [q for q in as_text(raw[0] or b"").split(",") if q]
         total = int(raw[1] or 0)
         prefix = keys.batch_job_prefix(batch_id)
         queues = [rq_queue(name, self.connection) for name in rq_queues]
         for queue in queues:
-            taken = [text(j) for j in scripts.run(self.connection, scripts.TAKE_PREFIXED, [queue.key], [prefix])]
+            taken = [as_text(j) for j in scripts.run(self.connection, scripts.TAKE_PREFIXED, [queue.key], [prefix])]
             for start in range(0, len(taken), CHUNK):
                 with self.connection.pipeline(transaction=False) as pipe:
                     cancel_taken_on(pipe, queue, taken[start:start + CHUNK])
@@ -196,5 +208,5 @@ class BatchStore:
     def _base_queue(self, batch_id: str) -> str:
         """The base queue a batch was created on (it never changes: read once per store)."""
         if batch_id not in self._bases:
-            self._bases[batch_id] = text(self.connection.hget(keys.batch_key(batch_id), "queue"))
+            self._bases[batch_id] = as_text(self.connection.hget(keys.batch_key(batch_id), "queue"))
         return self._bases[batch_id]

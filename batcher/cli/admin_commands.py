@@ -10,9 +10,9 @@ import time
 
 import click
 
-from batcher import admin, keys
 from batcher.cli.group import main
 from batcher.cli.options import json_option, redis_url_option
+from batcher.jobs import admin, keys
 
 DRAIN_POLL_S = 0.5
 DEFAULT_DRAIN_TIMEOUT_S = 600

@@ -10,11 +10,11 @@ import time
 import click
 
 import batcher.cli.options as options
-from batcher import keys
-from batcher.batches.model import DEFAULT_COMPLETION_WINDOW
+from batcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW
 from batcher.cli.group import main
 from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
-from batcher.openai_batch import ENDPOINTS
+from batcher.jobs import keys
+from batcher.openai.batch_lines import ENDPOINTS
 
 WAIT_POLL_S = 0.5
 DEFAULT_LIST_LIMIT = 20
@@ -24,7 +24,7 @@ DEFAULT_LIST_LIMIT = 20
 def batch_errors():
     """Turn an unknown batch id, bad batch settings or a full queue into a one-line CLI error (a bad line
     of the file is not an error here: it becomes a failed request with its reason in the error file)."""
-    from batcher.batches.model import BatchInputError, BatchNotFound
+    from batcher.batches.batch_object import BatchInputError, BatchNotFound
     from batcher.client import QueueFull
 
     try:

@@ -16,7 +16,7 @@ FAULT_EXIT_CODE = 1
 
 def describe_fault(exc: BaseException) -> str | None:
     """The one line a user sees for an expected fault; None for anything else (a bug: show the traceback)."""
-    from batcher.openai_batch import readable
+    from batcher.openai.batch_lines import readable
 
     if isinstance(exc, BatcherError):
         return str(exc)

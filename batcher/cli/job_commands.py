@@ -8,9 +8,9 @@ import click
 
 import batcher.cli.batch_commands as batch_commands
 import batcher.cli.options as options
-from batcher import keys
 from batcher.cli.group import main
 from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
+from batcher.jobs import keys
 
 SCHEMA_NAME = "answer"  # the json_schema name of `submit --json-schema` (OpenAI's format requires one)
 
@@ -43,7 +43,7 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
     if prompt is not None:
         from pydantic import ValidationError
 
-        from batcher.openai_batch import readable
+        from batcher.openai.batch_lines import readable
         from batcher.schema import GenerationRequest
 
         sampling = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}

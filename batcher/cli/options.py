@@ -7,8 +7,8 @@ import functools
 import click
 
 from batcher import config as c
-from batcher import durability, keys
 from batcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from batcher.jobs import durability, keys
 
 redis_url_option = click.option(
     "--redis-url", default=DEFAULT_REDIS_URL, envvar=REDIS_URL_ENV, show_default=True,
@@ -84,7 +84,7 @@ def engine_options(func):
 
 def replica_wait_options(func):
     """Add --wait-replicas and --wait-timeout-ms to a command that writes what is acknowledged (enqueues, job
-    ends); they set this process's `batcher.durability` policy before the command runs."""
+    ends); they set this process's `batcher.jobs.durability` policy before the command runs."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         replicas, timeout_ms = kwargs.pop("wait_replicas"), kwargs.pop("wait_timeout_ms")

@@ -6,11 +6,11 @@ import os
 
 import click
 
+from batcher.batches.file_store import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
 from batcher.cli.group import main
 from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
 from batcher.client import DEFAULT_MAX_QUEUE_LENGTH
 from batcher.errors import BatcherError
-from batcher.files import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
 from batcher.gateway.defaults import (
     API_KEYS_ENV,
     API_KEYS_FILE_ENV,
@@ -50,10 +50,10 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
         from batcher.gateway.auth import ApiKeys, check_bind
     except ImportError as exc:
         raise BatcherError(f"`batcher serve` needs the server extra (pip install 'batcher[server]'): {exc}") from None
-    from batcher import keys
+    from batcher.batches.file_store import FileLimits
     from batcher.client import connect
-    from batcher.connection import connect_async
-    from batcher.files import FileLimits
+    from batcher.jobs import keys
+    from batcher.jobs.connection import connect_async
 
     api_keys = ApiKeys.load(os.environ.get(API_KEYS_ENV), api_keys_file)
     check_bind(host, api_keys)

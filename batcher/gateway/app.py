@@ -19,15 +19,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from batcher import keys
+from batcher.batches.file_store import FileLimits, FileStore
 from batcher.client import DEFAULT_MAX_QUEUE_LENGTH, Client
-from batcher.files import FileLimits, FileStore
-from batcher.gateway import batches, completions, files
-from batcher.gateway.completions import served_models
+from batcher.gateway import batch_routes, completions, file_routes
 from batcher.gateway.auth import ApiKeys, AuthMiddleware
+from batcher.gateway.completions import served_models
 from batcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
-from batcher.gateway.errors import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
-from batcher.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from batcher.gateway.error_objects import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
+from batcher.gateway.http_metrics import GatewayMetrics, MetricsMiddleware
+from batcher.jobs import keys
 
 MODEL_OWNER = "batcher"
 
@@ -70,14 +70,14 @@ async def metrics(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/v1/files", files.create_file, methods=["POST"]),
-    Route("/v1/files/{file_id}", files.retrieve_file, methods=["GET"]),
-    Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
-    Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
-    Route("/v1/batches", batches.create_batch, methods=["POST"]),
-    Route("/v1/batches", batches.list_batches, methods=["GET"]),
-    Route("/v1/batches/{batch_id}", batches.retrieve_batch, methods=["GET"]),
-    Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
+    Route("/v1/files", file_routes.create_file, methods=["POST"]),
+    Route("/v1/files/{file_id}", file_routes.retrieve_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", file_routes.delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", file_routes.file_content, methods=["GET"]),
+    Route("/v1/batches", batch_routes.create_batch, methods=["POST"]),
+    Route("/v1/batches", batch_routes.list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", batch_routes.retrieve_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", batch_routes.cancel_batch, methods=["POST"]),
     Route("/v1/completions", completions.completions, methods=["POST"]),
     Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from batcher.errors import BatcherError
 from batcher.gateway.defaults import API_KEYS_ENV
-from batcher.gateway.errors import ApiError
+from batcher.gateway.error_objects import ApiError
 
 TENANT_PREFIX = "key-"
 TENANT_HASH_CHARS = 16

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
 
-from batcher.gateway.errors import ApiError, too_large
+from batcher.gateway.error_objects import ApiError, too_large
 
 DRAIN_LIMIT_BYTES = 64 * 2**20
 
@@ -20,7 +20,8 @@ DRAIN_LIMIT_BYTES = 64 * 2**20
 class BodyReader:
     """The chunks of one request's body, counted against `limit`."""
 
-    def __init__(self, request: Request, limit: int, code: str = "request_too_large", what: str = "request body") -> None:
+    def __init__(self, request: Request, limit: int, code: str = "request_too_large",
+                 what: str = "request body") -> None:
         self.request, self.limit, self.code, self.what = request, limit, code, what
         self.received = 0
         self._done = False

@@ -29,16 +29,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from batcher.admin import list_workers
 from batcher.client import Client, JobFailed
-from batcher.gateway import jobs
+from batcher.gateway import job_streams
 from batcher.gateway.body import read_json
-from batcher.gateway.errors import NO_RETRY, SERVER_ERROR, ApiError, error_body
-from batcher.openai_batch import (CHAT_ID_PREFIX, CHAT_URL, COMPLETION_ID_PREFIX, COMPLETIONS_URL, BodyError,
-                                  openai_finish_reason, parse_body, response_body, usage_body)
-from batcher.openai_logprobs import chat_logprobs, completion_logprobs
+from batcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError, error_body
+from batcher.jobs.admin import list_workers
+from batcher.openai.batch_lines import (
+    CHAT_ID_PREFIX,
+    CHAT_URL,
+    COMPLETION_ID_PREFIX,
+    COMPLETIONS_URL,
+    BodyError,
+    openai_finish_reason,
+    parse_body,
+    response_body,
+    usage_body,
+)
+from batcher.openai.logprob_objects import chat_logprobs, completion_logprobs
+from batcher.openai.service_tiers import TIER_OF_CLASS
 from batcher.schema import GenerationRequest, TokenLogprob, Usage
-from batcher.service_class import TIER_OF_CLASS, class_of
+from batcher.service_class import class_of
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +76,7 @@ async def _complete(request: Request, url: str):
         generation = parse_body(body, url, extra_fields=("stream_options",))
     except BodyError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
-    if request.state.tenant is not None:  # fair share between tenants (batcher/fairness.py)
+    if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
         generation = generation.model_copy(update={"tenant": request.state.tenant})
     tier = TIER_OF_CLASS[class_of(generation)]  # echoed, as OpenAI does
     model, job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
@@ -130,7 +140,7 @@ async def _wait_for_end(request: Request, job_id: str):
 
         group.start_soon(watch_disconnect)
         try:
-            async for event in jobs.events(app.state.aconnection, app.state.client, job_id):
+            async for event in job_streams.events(app.state.aconnection, app.state.client, job_id):
                 end = event if event.terminal else end
         except Exception as exc:  # noqa: BLE001  (raised below, outside the group, which would wrap it)
             failure = exc
@@ -216,13 +226,13 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
     app = request.app
     app.state.metrics.streams.inc()
     ended = False
-    relays = [jobs.TextRelay() for _ in range(chunks.n)]  # one per choice
+    relays = [job_streams.TextRelay() for _ in range(chunks.n)]  # one per choice
     attempt_logprobs: list[list[TokenLogprob]] = [[] for _ in range(chunks.n)]  # of the attempt's tokens
     try:
         opening = chunks.opening()
         if opening is not None:
             yield opening
-        async for event in jobs.events(app.state.aconnection, app.state.client, job_id):
+        async for event in job_streams.events(app.state.aconnection, app.state.client, job_id):
             if event.type == "restart":
                 for relay, logprobs in zip(relays, attempt_logprobs):
                     relay.restart()
@@ -249,7 +259,7 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
                 ended = True
                 yield error_event(event.error or "the request failed", "generation_failed")
         yield DONE
-    except jobs.AttemptDiverged as exc:
+    except job_streams.AttemptDiverged as exc:
         yield error_event(str(exc), "worker_lost", SERVER_ERROR)
         yield DONE
     finally:

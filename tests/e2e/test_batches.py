@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher import keys
 from batcher.cli import main
 from batcher.client import Client
+from batcher.jobs import keys
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
 

@@ -19,8 +19,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from batcher.admin import list_workers
 from batcher.client import Client
+from batcher.jobs.admin import list_workers
 from tests.e2e.test_batches import batch_jobs_running
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for

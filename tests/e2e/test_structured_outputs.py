@@ -61,7 +61,8 @@ def test_json_schema_and_json_object_answers_parse_streamed_or_not(gateway):
     assert text.startswith("{")
     if as_object.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
-    regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, extra_body={"regex": "[A-Z]{3}-[0-9]{2}"})
+    regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20,
+                                      extra_body={"regex": "[A-Z]{3}-[0-9]{2}"})
     assert regex.choices[0].finish_reason == "stop" and len(regex.choices[0].text) == 6
 
 
@@ -81,7 +82,8 @@ def test_an_invalid_or_unsupported_schema_answers_400_naming_response_format(gat
 def test_a_batch_whose_lines_carry_schemas_answers_json_and_a_bad_schema_is_an_error_line(gateway):
     base, _, _ = gateway
     client = sdk(base, KEY_A)
-    schemas = [TICKET, {**Summary.model_json_schema(), "additionalProperties": False}, {"type": "string", "not": {}}, {"enum": ["yes", "no"]}]
+    schemas = [TICKET, {**Summary.model_json_schema(), "additionalProperties": False}, {"type": "string", "not": {}},
+               {"enum": ["yes", "no"]}]
     lines = [json.dumps({"custom_id": f"s{i}", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0.7,
                                   "seed": i, "response_format": schema_format(schema, f"s{i}")}})

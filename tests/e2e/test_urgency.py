@@ -1,6 +1,7 @@
 """End to end: service classes and fairness with two real `batcher worker` processes (tiny model, 4 slots each,
 sharing one Redis and its fairness counters), a real `batcher serve` with two API keys (two tenants), and the
-official `openai` SDK. Sizes are scaled down from the issue's targets; `workers/bench/urgency.py` measures them.
+official `openai` SDK. Sizes are scaled down from the issue's targets; `workers/bench/experiments/mixed_load.py`
+measures them.
 
 The crash test SIGKILLs one worker and comes last."""
 
@@ -17,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from rq import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
-from prometheus_client.parser import text_string_to_metric_families
 
-from batcher import keys
-from batcher.gateway.jobs import OUTAGE_WAIT_S
+from batcher.gateway.job_streams import OUTAGE_WAIT_S
+from batcher.jobs import keys
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.engine_helpers import random_prompts, reference_tokens
 from tests.jobs_support import wait_for

@@ -24,8 +24,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batcher import keys
 from batcher.client import Client
+from batcher.jobs import keys
 from batcher.schema import GenerationRequest, SamplingParams
 from tests.jobs_support import wait_for
 

@@ -17,15 +17,15 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher import keys
 from batcher.client import Client, JobFailed
 from batcher.config import EngineConfig
+from batcher.jobs import keys
+from batcher.jobs.life import PICKLED_JOB_REASON
 from batcher.schema import GenerationRequest, SamplingParams
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
-from workers.engine import build_engine
-from workers.engine_api import RequestError
-from batcher.job_life import PICKLED_JOB_REASON
-from workers.worker import JobWorker
+from workers.engine.api import RequestError
+from workers.engine.engine import build_engine
+from workers.job_worker.worker import JobWorker
 
 pytestmark = [pytest.mark.usefixtures("keep_signal_handlers"), pytest.mark.timeout(300)]
 Q = "it"

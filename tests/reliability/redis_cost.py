@@ -15,13 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from batcher import keys
 from batcher.client import Client
-from batcher.durability import ReplicaWait
+from batcher.jobs import keys
+from batcher.jobs.durability import ReplicaWait
 from tests.fake_engine import FakeEngine
 from tests.jobs_support import wait_for
 from tests.reliability.support import RedisServer
-from workers.worker import JobWorker
+from workers.job_worker.worker import JobWorker
 
 QUEUE = "cost"
 WAIT_SAMPLES = 1000

@@ -21,7 +21,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from batcher import keys
+from batcher.jobs import keys
 from batcher.schema import GenerationRequest, SamplingParams, StreamEvent
 from tests.e2e.test_workers import stop, wait_ready  # noqa: F401  (re-exported: the e2e helpers)
 
@@ -165,9 +165,9 @@ def reference(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[i
     """`model.generate` alone (tests.engine_helpers.reference_tokens), greedy and without EOS; a longer
     generation of the same prompt is reused, since greedy decoding's first n tokens do not depend on
     how many follow."""
-    from tests.engine_helpers import reference_tokens
-
     import torch
+
+    from tests.engine_helpers import reference_tokens
 
     key = (str(model_dir), tuple(prompt_ids))
     if len(_generated.get(key, ())) < max_tokens:

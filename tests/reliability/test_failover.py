@@ -21,8 +21,8 @@ import pytest
 from openai import OpenAI
 
 from batcher.client import Client
-from batcher.durability import NotReplicated
-from batcher.redis_retry import REDIS_ERRORS
+from batcher.jobs.durability import NotReplicated
+from batcher.jobs.redis_retry import REDIS_ERRORS
 from tests.jobs_support import wait_for
 from tests.reliability.sentinel_support import SentinelCluster
 from tests.reliability.support import free_port, greedy, record, start_worker, stop, wait_ready

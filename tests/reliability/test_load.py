@@ -10,8 +10,8 @@ import time
 import pytest
 from rq.job import JobStatus
 
-from batcher import keys
 from batcher.client import Client, QueueFull
+from batcher.jobs import keys
 from tests.jobs_support import fake_redis_fixture, wait_for  # noqa: F401
 from tests.reliability.support import MemorySampler, RedisServer, fetch, greedy, record, start_worker, stop, wait_ready
 
@@ -60,8 +60,8 @@ def run_load(tiny_model_dir, tmp_path, n_jobs: int) -> None:
                            < AFTER_EXPIRY_MB * 2**20 and not list(connection.scan_iter("batcher:stream:*", count=1000))
                            and m, RESULT_TTL_S + 60, "the results and streams to expire", interval=0.5)
         queue_s = sorted(r.timings.queue_s for r in results.values())
-        record(f"load_{n_jobs}", jobs=n_jobs, workers=2, completed=len(results), jobs_lost=0,
-               seconds=f"{elapsed:.1f}", enqueue_seconds=f"{submitted_s:.1f}", throughput_jobs_s=f"{n_jobs / elapsed:.1f}",
+        record(f"load_{n_jobs}", jobs=n_jobs, workers=2, completed=len(results), jobs_lost=0, seconds=f"{elapsed:.1f}",
+               enqueue_seconds=f"{submitted_s:.1f}", throughput_jobs_s=f"{n_jobs / elapsed:.1f}",
                queue_s_p50=f"{statistics.median(queue_s):.2f}", queue_s_p95=f"{queue_s[int(0.95 * len(queue_s))]:.2f}",
                queue_s_max=f"{queue_s[-1]:.2f}", redis_used_memory_baseline_mb=f"{baseline / 2**20:.1f}",
                redis_peak_used_memory_mb=f"{memory.peak / 2**20:.1f}", result_ttl_s=RESULT_TTL_S,

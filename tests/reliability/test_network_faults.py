@@ -16,8 +16,18 @@ from rq.results import Result
 from batcher.client import Client
 from tests.jobs_support import wait_for
 from tests.reliability.fault_proxy import FaultProxy
-from tests.reliability.support import (LEASE_S, RedisServer, events, fetch, greedy, prompt_pool, record, start_worker,
-                                       stop, wait_ready)
+from tests.reliability.support import (
+    LEASE_S,
+    RedisServer,
+    events,
+    fetch,
+    greedy,
+    prompt_pool,
+    record,
+    start_worker,
+    stop,
+    wait_ready,
+)
 
 QUEUE = "net"
 SLOTS = 4

@@ -16,8 +16,18 @@ from rq.results import Result
 
 from batcher.client import Client
 from tests.jobs_support import wait_for
-from tests.reliability.support import (RedisServer, fetch, free_port, greedy, prompt_pool, record, reference,
-                                       start_worker, stop, wait_ready)
+from tests.reliability.support import (
+    RedisServer,
+    fetch,
+    free_port,
+    greedy,
+    prompt_pool,
+    record,
+    reference,
+    start_worker,
+    stop,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.timeout(420)
 QUEUE = "restart"
@@ -93,7 +103,8 @@ def test_workers_wait_for_redis_then_ride_out_a_restart_and_lose_no_job(tiny_mod
         retries = [len(BACKING_OFF.findall(log.read_text())) for log in logs]
         assert max(retries) <= 2 * DOWN_S, retries
         record("redis_restart", jobs=len(ids), jobs_lost=0, in_flight_at_stop=in_flight_before, down_s=DOWN_S,
-               all_done_after_restart_s=f"{completed_s:.1f}", worker_cpu_while_down_s="/".join(f"{c:.2f}" for c in cpu_down),
+               all_done_after_restart_s=f"{completed_s:.1f}",
+               worker_cpu_while_down_s="/".join(f"{c:.2f}" for c in cpu_down),
                retry_log_lines="/".join(map(str, retries)))
         assert down_at < up_at
     finally:

@@ -19,14 +19,14 @@ from rq import Queue
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher import keys
 from batcher.client import Client, JobFailed, connect
-from batcher.jobs import JOB_FUNCTION
+from batcher.jobs import keys
+from batcher.jobs.contract import JOB_FUNCTION
 from batcher.schema import MAX_PROMPT_BYTES, MAX_PROMPT_TOKEN_IDS, MAX_TOKENS_LIMIT, GenerationRequest
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.reliability.support import RedisServer, fetch, free_port, record
-from workers.worker import JobWorker
+from workers.job_worker.worker import JobWorker
 
 pytestmark = pytest.mark.timeout(300)
 SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
@@ -163,10 +163,12 @@ def test_size_limits_are_enforced_with_clear_errors(fake_redis):
     client = Client(fake_redis, queue="limits")
     cases = {
         "the limit is 1048576": {"prompt": "a" * (MAX_PROMPT_BYTES + 1)},
-        "prompt_token_ids: List should have at most 131072 items": {"prompt_token_ids": [5] * (MAX_PROMPT_TOKEN_IDS + 1)},
+        "prompt_token_ids: List should have at most 131072 items":
+            {"prompt_token_ids": [5] * (MAX_PROMPT_TOKEN_IDS + 1)},
         "sampling.max_tokens: Input should be less than or equal to 32768":
             {"prompt": "hi", "sampling": {"max_tokens": MAX_TOKENS_LIMIT + 1}},
-        "sampling.max_tokens: Input should be greater than or equal to 1": {"prompt": "hi", "sampling": {"max_tokens": -1}},
+        "sampling.max_tokens: Input should be greater than or equal to 1":
+            {"prompt": "hi", "sampling": {"max_tokens": -1}},
     }
     for message, payload in cases.items():
         with pytest.raises(ValidationError) as refused:
@@ -196,7 +198,7 @@ def test_a_worker_fails_oversized_jobs_sent_around_the_client(shared_worker):
 # ----- /metrics -----
 def test_metrics_bind_to_the_address_the_operator_picks(tiny_model_dir):
     from tests.engine_helpers import engine_for
-    from workers.metrics import EngineMetrics
+    from workers.job_worker.engine_metrics import EngineMetrics
 
     metrics = EngineMetrics(engine_for(tiny_model_dir("llama"), num_blocks=16))
     server = metrics.start_http_server(0, "127.0.0.1")

@@ -19,12 +19,23 @@ from rq.registry import FailedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher import keys
 from batcher.client import Client
-from batcher.jobs import JOB_FUNCTION
+from batcher.jobs import keys
+from batcher.jobs.contract import JOB_FUNCTION
 from tests.jobs_support import wait_for
-from tests.reliability.support import (LEASE_S, RedisServer, events, fetch, greedy, prompt_pool, record, reference,
-                                       start_worker, stop, wait_ready)
+from tests.reliability.support import (
+    LEASE_S,
+    RedisServer,
+    events,
+    fetch,
+    greedy,
+    prompt_pool,
+    record,
+    reference,
+    start_worker,
+    stop,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.timeout(420)
 QUEUE = "crash"

@@ -1,8 +1,8 @@
-"""An engine with no model (it satisfies `workers.engine_api.EngineProtocol`): what the job system costs alone.
+"""An engine with no model (it satisfies `workers.engine.api.EngineProtocol`): what the job system costs alone.
 
 Each request generates one token per step: token i of its output is `FIRST_TOKEN + i`, whose text is one letter.
-`python -m workers.bench.job_rate` measures the worker's jobs per second on it, and the test suite's fake engine
-builds on it.
+`python -m workers.bench.experiments.job_rate` measures the worker's jobs per second on it, and the test suite's fake
+engine builds on it.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from batcher.blocks import PrefixCacheStats
+from batcher.scheduler.blocks import PrefixCacheStats
 from batcher.schema import GenerationRequest
-from workers.engine_api import EngineStats, RequestError, RequestOutput, StepStats
+from workers.engine.api import EngineStats, RequestError, RequestOutput, StepStats
 
 FIRST_TOKEN = 65  # "A"
 

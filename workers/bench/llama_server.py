@@ -26,8 +26,8 @@ from batcher.config import EngineConfig
 from workers.bench.private_redis import free_port
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.workload import WorkloadRequest
-from workers.engine import WARMUP_REQUEST
-from workers.models import cache_dir
+from workers.engine.engine import WARMUP_REQUEST
+from workers.model.loading import cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source package whose vendored llama.cpp is built
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}

@@ -21,14 +21,14 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.streamers import BaseStreamer
 
-from batcher.blocks import blocks_needed
 from batcher.config import EngineConfig
+from batcher.scheduler.blocks import blocks_needed
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.workload import WorkloadRequest
-from workers.engine import WARMUP_REQUEST
-from workers.models import resolve
-from workers.precision import DTYPES
-from workers.runner import resolve_device
+from workers.engine.engine import WARMUP_REQUEST
+from workers.model.loading import resolve
+from workers.model.precision import DTYPES
+from workers.model.runner import resolve_device
 
 HF_ATTENTION = "sdpa"
 PAD_TOKEN_ID = 0  # left padding is masked out, so any id works

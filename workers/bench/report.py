@@ -114,7 +114,8 @@ class BenchReport:
                 f"{s.prompt_tok_s:>13.1f}{s.total_tok_s:>12.1f}"
                 f"{ms(s.ttft_s, 'p50') + '/' + ms(s.ttft_s, 'p99') + '/' + ms(s.ttft_s, 'max'):>22}"
                 f"{ms(s.itl_s, 'p50') + '/' + ms(s.itl_s, 'p99') + '/' + ms(s.itl_s, 'max'):>21}"
-                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}{s.pct_of_limit:>7.0f}%{hits:>12}  {agree}")
+                f"{s.mean_occupancy:>11.2f}{s.peak_rss_mb:>8.0f}{s.mfu:>6.0%}{s.pct_of_limit:>7.0f}%"
+                f"{hits:>12}  {agree}")
         floor = self.roofline.weight_read_s
         for s in self.systems:
             if s.lone_decode_step_s is not None:

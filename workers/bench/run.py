@@ -3,8 +3,8 @@
 Systems (`workers.bench.system`): `batcher:continuous` and `batcher:static` (this engine, run here step by
 step, or through Redis and a worker with `@redis`, with or without prefix caching), and the transformers
 baselines `hf-cb`, `hf-static`, `hf-naive` (`workers.bench.peers`), and llama.cpp's `llama-server`
-(`workers.bench.llama_server`; skipped, with the reason, where it cannot be built). They run one after the other with the
-same weights, slots, page size, token budget and threads; each is warmed up first and freed after.
+(`workers.bench.llama_server`; skipped, with the reason, where it cannot be built). They run one after the other with
+the same weights, slots, page size, token budget and threads; each is warmed up first and freed after.
 Metrics come from `workers.bench.report`.
 """
 
@@ -19,15 +19,15 @@ import torch
 
 from batcher.config import EngineConfig
 from batcher.schema import GenerationRequest, SamplingParams
-from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.llama_server import SystemUnavailable
+from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.report import BenchReport, environment, system_report
 from workers.bench.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
 from workers.bench.system import System
 from workers.bench.workload import WorkloadRequest, shared_prefix_tokens
-from workers.engine import Engine, build_engine
-from workers.precision import DTYPES, resolve_dtype
-from workers.runner import resolve_device
+from workers.engine.engine import Engine, build_engine
+from workers.model.precision import DTYPES, resolve_dtype
+from workers.model.runner import resolve_device
 
 
 def workload_request(item: WorkloadRequest, vocab_size: int) -> GenerationRequest:
@@ -86,13 +86,13 @@ def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequ
         return run, ModelCost.of(engine.runner.model)
 
     from workers.bench import peers
-    from workers.runner import num_kv_blocks
+    from workers.model.runner import num_kv_blocks
 
     model = peers.load_hf_model(config)
     vocab = model.get_output_embeddings().weight.shape[0]
     if system.kind == "llama-server":
         from workers.bench.llama_server import run_llama_server
-        from workers.models import resolve
+        from workers.model.loading import resolve
 
         cost = ModelCost.of(model)
         del model  # the server loads its own copy

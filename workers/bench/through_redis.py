@@ -13,13 +13,14 @@ import uuid
 
 from redis import Redis
 
-from batcher import keys
 from batcher.client import Client
+from batcher.jobs import keys
+from batcher.jobs.redis_text import as_text
 from batcher.schema import StreamEvent
 from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from workers.bench.workload import WorkloadRequest
-from workers.engine import Engine
-from workers.worker import JobWorker
+from workers.engine.engine import Engine
+from workers.job_worker.worker import JobWorker
 
 READ_BLOCK_MS = 100
 RESULT_TIMEOUT_S = 3600
@@ -35,7 +36,7 @@ def _read_streams(connection: Redis, job_to_id: dict[str, str], run: SystemRun, 
         reply = connection.xread({k: v for k, v in last.items() if k not in ended}, block=READ_BLOCK_MS)
         t = time.perf_counter() - start
         for key, entries in reply or ():
-            key = key.decode() if isinstance(key, bytes) else key
+            key = as_text(key)
             rid = job_to_id[key.removeprefix(keys.STREAM_PREFIX)]
             for entry_id, fields in entries:
                 last[key] = entry_id

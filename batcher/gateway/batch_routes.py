@@ -1,0 +1,77 @@
+"""/v1/batches: a batch created from an uploaded file through the core API (`Client.create_batch`), read,
+listed newest first, and cancelled. Each tenant sees only its own: another tenant's id is not found."""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from batcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW, Batch
+from batcher.batches.file_store import FileNotFound, FileStore
+from batcher.client import Client
+from batcher.gateway.body import read_json
+from batcher.gateway.error_objects import ApiError
+from batcher.openai.batch_lines import ENDPOINTS
+
+DEFAULT_LIST_LIMIT = 20  # OpenAI's page size and its bounds
+MAX_LIST_LIMIT = 100
+CREATE_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}
+HIDDEN_FIELDS = {"owner", "queue"}
+
+
+def batch_json(batch: Batch) -> dict:
+    return batch.model_dump(mode="json", exclude=HIDDEN_FIELDS)
+
+
+async def create_batch(request: Request) -> JSONResponse:
+    body = await read_json(request, request.app.state.config.max_request_bytes)
+    unknown = sorted(set(body) - CREATE_FIELDS)
+    if unknown:
+        raise ApiError(400, f"unsupported fields: {', '.join(unknown)}", param=unknown[0])
+    file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+    if not isinstance(file_id, str):
+        raise ApiError(400, "input_file_id is required: the id of a file uploaded with purpose batch",
+                       param="input_file_id")
+    if endpoint not in ENDPOINTS:
+        raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}", param="endpoint")
+    window = body.get("completion_window", DEFAULT_COMPLETION_WINDOW)
+    tenant = request.state.tenant
+    store: FileStore = request.app.state.files
+    client: Client = request.app.state.client
+    try:
+        uploaded = await run_in_threadpool(store.get, file_id, tenant)
+    except FileNotFound as exc:
+        raise ApiError(404, str(exc), param="input_file_id") from None
+    if uploaded.purpose != "batch":
+        raise ApiError(400, f"file {file_id} was uploaded for {uploaded.purpose}, not batch", param="input_file_id")
+    created = await run_in_threadpool(lambda: client.create_batch(
+        store.lines(file_id), endpoint=endpoint, completion_window=window, metadata=body.get("metadata"),
+        owner=tenant, input_file_id=file_id))
+    return JSONResponse(batch_json(created))
+
+
+async def retrieve_batch(request: Request) -> JSONResponse:
+    client: Client = request.app.state.client
+    found = await run_in_threadpool(client.batch, request.path_params["batch_id"], request.state.tenant)
+    return JSONResponse(batch_json(found))
+
+
+async def cancel_batch(request: Request) -> JSONResponse:
+    client: Client = request.app.state.client
+    cancelled = await run_in_threadpool(client.cancel_batch, request.path_params["batch_id"], request.state.tenant)
+    return JSONResponse(batch_json(cancelled))
+
+
+async def list_batches(request: Request) -> JSONResponse:
+    client: Client = request.app.state.client
+    raw_limit = request.query_params.get("limit", str(DEFAULT_LIST_LIMIT))
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
+        raise ApiError(400, f"limit is 1 to {MAX_LIST_LIMIT}; got {raw_limit!r}", param="limit")
+    limit = int(raw_limit)
+    after = request.query_params.get("after")
+    found = await run_in_threadpool(client.batches, request.state.tenant, after, limit + 1)
+    page = found[:limit]
+    return JSONResponse({"object": "list", "data": [batch_json(b) for b in page],
+                         "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                         "has_more": len(found) > limit})

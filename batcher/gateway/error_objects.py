@@ -1,0 +1,109 @@
+"""OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, and the status each fault answers.
+
+400 a malformed request, 401 no valid key, 404 an unknown id or model, 413 too large, 429 the queue is full,
+503 Redis unreachable. A fault of ours (a bug) is a 500 with no detail; the traceback goes to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from batcher.batches.batch_object import BatchInputError, BatchNotFound
+from batcher.batches.file_store import FileNotFound, FileTooLarge
+from batcher.client import QueueFull
+from batcher.jobs.durability import NotReplicated
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+# Tells the official SDKs not to retry a failure that would fail again (they retry every 5xx otherwise).
+NO_RETRY = {"x-should-retry": "false"}
+
+
+class ApiError(Exception):
+    """A fault answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.code, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str = INVALID_REQUEST, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def too_large(message: str, code: str) -> ApiError:
+    return ApiError(413, message, code=code)
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own faults (no such route, a method the route lacks) in OpenAI's format and words."""
+    message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) else exc.detail
+    return ApiError(exc.status_code, message or "", headers=exc.headers).response()
+
+
+async def _not_found(request: Request, exc: Exception) -> JSONResponse:
+    param = next(iter(request.path_params), None)
+    return ApiError(404, str(exc), param=param).response()
+
+
+async def _bad_batch(request: Request, exc: BatchInputError) -> JSONResponse:
+    return ApiError(400, str(exc)).response()
+
+
+async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+    return ApiError(429, f"The queue is full; try again later ({exc})", code="queue_full").response()
+
+
+async def _file_too_large(request: Request, exc: FileTooLarge) -> JSONResponse:
+    return too_large(str(exc), exc.code).response()
+
+
+async def _redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("cannot reach Redis: %s", exc)
+    return ApiError(503, "The gateway cannot reach Redis; try again later.", type=SERVER_ERROR,
+                    code="redis_unreachable").response()
+
+
+async def _not_replicated(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s", exc)
+    return ApiError(503, "The request was queued, but no Redis replica confirmed it in time; it may be lost if Redis "
+                    "fails over now.", type=SERVER_ERROR, code="not_replicated").response()
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(error_body("The gateway failed to handle the request.", SERVER_ERROR), status_code=500)
+
+
+EXCEPTION_HANDLERS = {
+    ApiError: _api_error,
+    HTTPException: _http_error,
+    BatchNotFound: _not_found,
+    FileNotFound: _not_found,
+    BatchInputError: _bad_batch,
+    QueueFull: _queue_full,
+    FileTooLarge: _file_too_large,
+    RedisConnectionError: _redis_unreachable,
+    RedisTimeoutError: _redis_unreachable,
+    NotReplicated: _not_replicated,
+    Exception: _internal,
+}

@@ -1,0 +1,53 @@
+"""The figures a worker publishes with every heartbeat, and `batcher workers` reads: one contract, both sides.
+
+The worker writes `WorkerStats.to_dict()` to `keys.worker_stats_key(name)` (expiring when it dies) and adds its
+name to `keys.WORKERS_SET`; `batcher.jobs.admin.list_workers` reads them back with `WorkerStats.from_hash`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Literal
+
+from batcher.jobs.redis_text import as_text
+
+WorkerState = Literal["idle", "busy", "suspended", "draining"]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    name: str
+    host: str
+    pid: int
+    queues: str  # the base queues it serves, comma-separated
+    model: str
+    state: WorkerState
+    in_flight: int
+    free_slots: int
+    kv_usage: float  # fraction of KV-cache blocks in use
+    tokens_per_s: float  # generated since the previous heartbeat
+    last_heartbeat: float  # time.time()
+    dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved); unknown from an older worker
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over those looked up, since start
+    in_flight_by_class: str = ""  # e.g. "interactive=2,batch=30" (batcher/service_class.py)
+
+    @property
+    def heartbeat_age_s(self) -> float:
+        return max(0.0, time.time() - self.last_heartbeat)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hash(cls, raw: dict) -> WorkerStats:
+        """Parse a hash as redis-py returns it (bytes or str); fields a newer worker added are ignored, and
+        fields an older worker did not publish take their default."""
+        text = {as_text(k): as_text(v) for k, v in raw.items()}
+        values = {}
+        for f in fields(cls):
+            if f.name not in text and f.default is not MISSING:
+                continue
+            kind = {"int": int, "float": float}.get(f.type, str)
+            values[f.name] = kind(text[f.name])
+        return cls(**values)

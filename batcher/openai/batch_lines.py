@@ -1,0 +1,195 @@
+"""The OpenAI batch file format: one request per line in, one response per line out.
+
+In:  {"custom_id": ..., "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body": {...}}
+Out: {"custom_id": ..., "response": {"status_code": 200, "body": {...}}, "error": null}
+
+The gateway (batcher/gateway) reads its HTTP request bodies with the same `parse_body` and answers with
+the same `response_body`, so a batch line and an HTTP answer never differ in format.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from batcher.openai.logprob_objects import LogprobsError, chat_logprobs, completion_logprobs, requested
+from batcher.openai.service_tiers import SERVICE_TIERS, TIER_OF_CLASS
+from batcher.schema import Choice, GenerationRequest, GenerationResult, Usage
+from batcher.service_class import BATCH
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                   "repetition_penalty", "n")
+CONSTRAINT_FIELDS = ("response_format", "regex", "choice")  # regex and choice: vLLM's extras
+IGNORED_BODY_FIELDS = ("stream", "user")
+ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
+MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
+MAX_PROBLEM_CHARS = 200
+COMPLETION_ID_PREFIX = "cmpl-"  # a response's id is the prefix and the job id
+CHAT_ID_PREFIX = "chatcmpl-"
+# batcher's finish reasons that OpenAI names otherwise; `cancelled` never reaches a response (a cancelled
+# job's batch line is an error line, and the gateway answers it with an error)
+FINISH_REASONS = {"timeout": "length"}
+
+
+def readable(exc: ValidationError) -> str:
+    """What pydantic says, without its URLs: the first few problems, each naming its field, and how many
+    there were in all."""
+    errors = exc.errors()
+    parts = []
+    for err in errors[:MAX_LISTED_PROBLEMS]:
+        where = ".".join(str(p) for p in err["loc"]) or "request"
+        parts.append(f"{where}: {err['msg']}"[:MAX_PROBLEM_CHARS])
+    if len(errors) > MAX_LISTED_PROBLEMS:
+        parts.append(f"and {len(errors) - MAX_LISTED_PROBLEMS} more ({len(errors)} problems in all)")
+    return "; ".join(parts)
+
+
+def parse_batch_line(line: str, endpoint: str | None = None) -> tuple[str | None, GenerationRequest]:
+    """Parse one input line into `(custom_id, request)`; raise BatchLineError with a readable reason.
+
+    `body.model` becomes the request's model (the job runs on a worker serving it). With `endpoint`,
+    the line's url must be that one (a batch has one endpoint). The custom_id is returned on the
+    exception as `exc.custom_id` when it could be read."""
+    custom_id = None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BatchLineError(None, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(obj, dict):
+        raise BatchLineError(None, "each line must be a JSON object")
+    custom_id = obj.get("custom_id")
+    if custom_id is not None and not isinstance(custom_id, str):
+        raise BatchLineError(None, "custom_id must be a string")
+    url = obj.get("url")
+    if obj.get("method", "POST") != "POST":
+        raise BatchLineError(custom_id, "method must be POST")
+    if url not in ENDPOINTS:
+        raise BatchLineError(custom_id, f"url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}")
+    if endpoint is not None and url != endpoint:
+        raise BatchLineError(custom_id, f"url must be the batch's endpoint {endpoint}, got {url}")
+    try:
+        return custom_id, parse_body(obj.get("body"), url)
+    except BodyError as exc:
+        raise BatchLineError(custom_id, str(exc)) from None
+
+
+def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> GenerationRequest:
+    """The request of one OpenAI request body, a batch line's or an HTTP request's, for `url`; raise
+    BodyError with a readable reason (and the field at fault, where there is one).
+
+    `extra_fields` are fields the caller reads itself (the gateway's `stream`); any other field that
+    is not ours to honour is refused rather than silently ignored."""
+    if not isinstance(body, dict):
+        raise BodyError("body must be a JSON object")
+    logprob_fields = ("logprobs", "top_logprobs") if url == CHAT_URL else ("logprobs",)
+    known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *logprob_fields,
+             "prompt", "messages", "model", "max_completion_tokens", "service_tier"}
+    unknown = set(body) - known
+    if unknown:
+        raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
+    if "max_completion_tokens" in body:  # the chat endpoint's newer name for max_tokens
+        request["sampling"]["max_tokens"] = body["max_completion_tokens"]
+    try:
+        request["sampling"]["logprobs"] = requested(body, url == CHAT_URL)
+    except LogprobsError as exc:
+        raise BodyError(str(exc), param=exc.param) from None
+    if body.get("model") is not None:
+        request["model"] = body["model"]
+    request.update({k: body[k] for k in CONSTRAINT_FIELDS if body.get(k) is not None})
+    if body.get("service_tier") is not None:
+        if body["service_tier"] not in SERVICE_TIERS:
+            raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {body['service_tier']!r}",
+                            param="service_tier")
+        request["service_class"] = SERVICE_TIERS[body["service_tier"]]
+    if url == CHAT_URL:
+        request["messages"] = body.get("messages")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            request["prompt_token_ids"] = prompt
+        else:
+            request["prompt"] = prompt
+    try:
+        return GenerationRequest.model_validate(request)
+    except ValidationError as exc:
+        loc = exc.errors()[0]["loc"] if exc.errors() else ()
+        raise BodyError(readable(exc), param=_body_param(loc)) from None
+
+
+def _body_param(loc: tuple) -> str | None:
+    """The body field a validation error's location points at (`sampling.max_tokens` is `max_tokens`)."""
+    names = [p for p in loc if isinstance(p, str) and p != "sampling"]
+    if not names:
+        return None
+    return {"prompt_token_ids": "prompt"}.get(names[0], names[0])
+
+
+class BodyError(ValueError):
+    """A request body we cannot run; `param` names the field at fault, where there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class BatchLineError(ValueError):
+    def __init__(self, custom_id: str | None, message: str) -> None:
+        super().__init__(message)
+        self.custom_id = custom_id
+
+
+def openai_finish_reason(reason: str) -> str:
+    """OpenAI's name for a finish reason: a running timeout cuts the text short as a token limit does."""
+    return FINISH_REASONS.get(reason, reason)
+
+
+def usage_body(usage: Usage) -> dict:
+    """OpenAI's usage object; the prompt tokens found in the worker's prefix cache are its `cached_tokens`."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, request_id: str | None = None,
+                  created: int | None = None, service_tier: str | None = None) -> dict:
+    """The endpoint's OpenAI object (text_completion or chat.completion) for a result: the body of a batch
+    output line and the answer of the gateway's HTTP endpoints. `service_tier` is the tier it ran in.
+
+    `token_ids` is our addition to a completion choice; OpenAI clients ignore unknown fields."""
+    usage = usage_body(result.usage)
+    choices = result.choices or [Choice(index=0, text=result.text, token_ids=result.token_ids,
+                                        finish_reason=result.finish_reason, logprobs=result.logprobs)]
+    if endpoint == CHAT_URL:
+        shaped = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                   "logprobs": chat_logprobs(c.logprobs), "finish_reason": openai_finish_reason(c.finish_reason)}
+                  for c in choices]
+        body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
+    else:
+        shaped = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                   "logprobs": completion_logprobs(c.logprobs), "finish_reason": openai_finish_reason(c.finish_reason)}
+                  for c in choices]
+        body = {"id": f"{COMPLETION_ID_PREFIX}{request_id}", "object": "text_completion"}
+    body.update(created=created, model=result.model, choices=shaped, usage=usage)
+    if service_tier is not None:
+        body["service_tier"] = service_tier
+    return body
+
+
+def response_line(custom_id: str | None, result: GenerationResult, endpoint: str = COMPLETIONS_URL,
+                  request_id: str | None = None, created: int | None = None) -> dict:
+    """A successful output line; its body is the endpoint's OpenAI object (`response_body`), run in the batch
+    class (whatever tier the line asked for)."""
+    body = response_body(result, endpoint, request_id, created, TIER_OF_CLASS[BATCH])
+    line = {"custom_id": custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body},
+            "error": None}
+    return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line
+
+
+def error_line(custom_id: str | None, message: str, code: str = "invalid_request",
+               request_id: str | None = None) -> dict:
+    line = {"custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line

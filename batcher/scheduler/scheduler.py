@@ -1,0 +1,284 @@
+"""Iteration-level scheduling: each step decides `{sequence: tokens to compute}` (pure Python).
+
+`schedule()` decides what the next forward computes (a `StepPlan`); `update()` takes what it sampled and
+advances every sequence (computed tokens, new tokens, timestamps, EOS and length stops); `finish()` ends one
+early (a stop string, a cancel, a failure). The engine between them only executes, so every change of a
+sequence's state (`batcher.scheduler.sequence`) is made here.
+
+Continuous policy, every step:
+  0. a waiting sequence of a more urgent class that no slot or KV block would admit preempts the least
+     urgent running one (batcher/scheduler/preemption.py: bounded so that batch work keeps its minimum share);
+  1. running decodes take one token each, then running prefills take their next prompt chunk (those of a
+     less urgent class than a waiting sequence only after the waiting are admitted);
+  2. waiting sequences are admitted most urgent first (FIFO among equals) while slots, the token budget and
+     KV blocks allow, a long prompt with only the chunk that fits (chunked prefill);
+  3. when KV blocks run out, the least urgent (latest-admitted among equals) running sequence is preempted
+     by recompute: its blocks are freed and it goes back to the front of the queue.
+The static policy is the baseline: it admits only into an empty batch and prefills whole prompts.
+
+Prefix caching (`batcher.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its
+tokens, counted as computed, and always computes at least its last token (it needs its logits).
+Admission and preemption count only the blocks a sequence newly needs. Full blocks are named in the
+cache when they are *scheduled*, so a sequence admitted later in the same step starts from blocks that
+an earlier one fills in that step: the model writes every new key and value of a layer before any
+sequence attends in that layer, so they are there when read. Prompts that arrive together are admitted
+together in FIFO order; since a sequence is admitted only while budget remains, every one before it in
+the step has its whole prompt scheduled, so a prefix they share is computed once, by the first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from batcher.config import EngineConfig
+from batcher.scheduler import preemption
+from batcher.scheduler.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
+from batcher.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepPlan:
+    """What one step computes: tokens per sequence (in execution order) and who was preempted."""
+
+    num_tokens: dict[Sequence, int] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens.values())
+
+    def samples(self, seq: Sequence) -> bool:
+        """Whether `seq` samples a token this step: its prompt (and output so far) is then fully computed."""
+        return seq.num_computed_tokens + self.num_tokens[seq] == seq.num_tokens
+
+    def __bool__(self) -> bool:
+        return bool(self.num_tokens)
+
+
+class Scheduler:
+    """Owns every sequence's state: `add`, then `schedule()` and `update()` once per step, `finish` to end one early.
+
+    `eos_token_ids` end a sequence (unless it ignores EOS); `max_model_len` caps prompt plus output."""
+
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, eos_token_ids: frozenset[int] = frozenset(),
+                 max_model_len: int | None = None) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.batch_floor = preemption.batch_floor(config.min_batch_share, config.max_num_seqs)
+        self.urgency_preemptions: dict[str, int] = {}  # by the preempted sequence's class
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.config.max_num_seqs - len(self.running) - len(self.waiting))
+
+    @property
+    def urgent_room(self) -> int:
+        """More urgent requests that could be taken beyond the free slots, each preempting a batch sequence."""
+        if self.config.policy == "static":
+            return 0
+        return preemption.urgent_room(self.running, self.waiting, self.batch_floor, self.config.max_num_seqs)
+
+    @property
+    def batch_deficit(self) -> int:
+        """Batch requests to take first: what batch work lacks of its minimum share of the slots."""
+        return preemption.batch_deficit(self.running, self.waiting, self.batch_floor)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence from the running batch or the queue and free its blocks. A sequence that has already
+        finished only takes the new reason (a stop string found in its last token names the reason)."""
+        if seq.is_finished:
+            seq.finish_reason = reason
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def update(self, plan: StepPlan, sampled: dict[Sequence, int], now: float | None = None) -> list[Sequence]:
+        """Advance the sequences of `plan` after its forward: every one computed its scheduled tokens, and
+        each one in `sampled` got its next token at `now`. Return the sequences this finished (EOS, length)."""
+        now = time.monotonic() if now is None else now
+        for seq, n in plan.num_tokens.items():
+            seq.num_computed_tokens += n
+        finished = []
+        for seq, token in sampled.items():
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.eos_token_ids and not seq.sampling.ignore_eos:
+            return "stop"
+        if seq.num_output_tokens >= seq.sampling.max_tokens:
+            return "length"
+        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def schedule(self) -> StepPlan:
+        static = self.config.policy == "static"
+        limit = float("inf") if static else self.config.max_num_batched_tokens
+        plan = StepPlan()
+        admit = not static or not self.running
+        if not static:
+            self._preempt_for_urgency(plan)
+        preempted_for_urgency = len(plan.preempted)
+
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        most_urgent = min((s.urgency[0] for s in self.waiting), default=None)
+        later = [s for s in prefills if most_urgent is not None and s.urgency[0] > most_urgent]
+        self._schedule_running(decodes + [s for s in prefills if s not in later], plan, limit)
+        urgent_admitted = False  # whether this step starts a priority or interactive sequence
+
+        while admit and len(plan.preempted) == preempted_for_urgency and self.waiting:
+            budget = limit - plan.total_tokens
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = preemption.next_waiting(self.waiting, self.running, self.batch_floor,
+                                          self.config.max_num_seqs - len(self.running))
+            if urgent_admitted and seq.urgency[0] == preemption.BATCH_RANK:
+                break  # a step that starts more urgent work carries no new prompt of less urgent work: it is short
+            shared, n, new = self._first_chunk(seq, budget)
+            if not self.allocator.can_allocate(new, shared):
+                break
+            self.waiting.remove(seq)
+            self._admit(seq, shared, new)
+            plan.num_tokens[seq] = n
+            self._cache_full_blocks(seq, n)
+            urgent_admitted = urgent_admitted or seq.urgency[0] < preemption.BATCH_RANK
+        if not urgent_admitted:
+            self._schedule_running(later, plan, limit)  # less urgent prefills take what budget the waiting left
+        return plan
+
+    def _schedule_running(self, seqs: list[Sequence], plan: StepPlan, limit: float) -> None:
+        for seq in seqs:
+            budget = limit - plan.total_tokens
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = int(min(seq.num_uncomputed_tokens, budget))
+            if self._reserve(seq, n, plan):
+                plan.num_tokens[seq] = n
+                self._cache_full_blocks(seq, n)
+
+    def _first_chunk(self, seq: Sequence, budget: float) -> tuple[list[int], int, int]:
+        """(the cached blocks `seq` starts from, the tokens it computes first, the fresh blocks they need)."""
+        shared = self._cached_prefix(seq)
+        computed = len(shared) * self.allocator.block_size
+        n = int(min(seq.num_tokens - computed, budget))
+        return shared, n, blocks_needed(computed + n, self.allocator.block_size) - len(shared)
+
+    def _preempt_for_urgency(self, plan: StepPlan) -> None:
+        """Before anything is scheduled: preempt less urgent running sequences for the more urgent waiting ones
+        that no slot or KV block would admit this step, most urgent first, within `batcher.scheduler.preemption`'s
+        bounds."""
+        if not self.running or not self.waiting:
+            return
+        slots = self.config.max_num_seqs - len(self.running)
+        growth = {s: self.allocator.extra_blocks(s.block_table, s.num_tokens) for s in self.running
+                  if s.num_uncomputed_tokens == 1}  # the blocks the running decodes take first
+        free_blocks = self.allocator.num_free - sum(growth.values())
+        for seq in sorted(self.waiting, key=lambda s: s.urgency):
+            shared, _, new = self._first_chunk(seq, self.config.max_num_batched_tokens)
+            needed = new + sum(1 for b in shared if self.allocator.ref_count(b) == 0)
+            while slots <= 0 or free_blocks < needed:
+                victim = preemption.victim_for(seq, self.running, self.batch_floor)
+                if victim is None:
+                    return
+                free_blocks += sum(1 for b in victim.block_table if self.allocator.ref_count(b) == 1)
+                free_blocks += growth.get(victim, 0)
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                self.urgency_preemptions[victim.service_class] = (
+                    self.urgency_preemptions.get(victim.service_class, 0) + 1)
+                slots += 1
+            slots -= 1
+            free_blocks -= needed
+
+    def _admit(self, seq: Sequence, shared: list[int], new: int) -> None:
+        """Start `seq` from the cached blocks `shared` (their tokens computed) plus `new` fresh blocks."""
+        self.allocator.share(shared)  # first: the fresh blocks must not evict the shared ones
+        seq.block_table.extend(shared)
+        seq.block_table.extend(self.allocator.allocate(new))
+        seq.num_computed_tokens = len(shared) * self.allocator.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.allocator.prefix_caching:
+                self.prefix_cache_stats.queries += seq.num_prompt_tokens
+                self.prefix_cache_stats.hits += seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` can start from: at most all but its last token, which must be computed."""
+        if not self.allocator.prefix_caching:
+            return []
+        limit = (seq.num_tokens - 1) // self.allocator.block_size
+        chain_block_hashes(seq.token_ids, self.allocator.block_size, seq.block_hashes, limit)
+        return self.allocator.cached_prefix(seq.block_hashes[:limit])
+
+    def _cache_full_blocks(self, seq: Sequence, n: int) -> None:
+        """Name in the cache the blocks of `seq` that its `n` tokens of this step fill."""
+        if not self.allocator.prefix_caching:
+            return
+        size = self.allocator.block_size
+        start, end = seq.num_computed_tokens // size, (seq.num_computed_tokens + n) // size
+        if end > start:
+            chain_block_hashes(seq.token_ids, size, seq.block_hashes, end)
+            self.allocator.cache_full_blocks(seq.block_table, seq.block_hashes, start, end)
+
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        """Grow `seq`'s blocks for `n` more tokens, preempting the latest admitted until they fit."""
+        target = seq.num_computed_tokens + n
+        while not self.allocator.can_allocate(self.allocator.extra_blocks(seq.block_table, target)):
+            victim = preemption.least_urgent(self.running)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            plan.num_tokens.pop(victim, None)
+            if victim is seq:
+                return False
+        self.allocator.grow(seq.block_table, target)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV blocks and requeue at the front."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop `seq`'s blocks. Blocks it was to fill in the step being run, but never did (preempted while
+        scheduling, or its forward failed), leave the cache; a sequence that started from one of them in
+        that step is preempted too, since their keys and values were never written."""
+        unfilled = self.allocator.uncache_unfilled(seq.block_table, seq.num_computed_tokens)
+        self.allocator.release(seq.block_table)
+        for other in [s for s in self.running if not unfilled.isdisjoint(s.block_table)]:
+            if other.status is SequenceStatus.RUNNING:  # not already preempted through a sequence it shared with
+                self._preempt(other)

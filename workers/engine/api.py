@@ -1,0 +1,126 @@
+"""The engine's interface, as the worker, the metrics and the offline runner use it (no torch here).
+
+`workers.engine.engine.Engine` implements `EngineProtocol`; so does the test suite's fake engine, and a test
+checks that both still match it. Only plain data crosses it: what one step produces for one request is a
+`RequestOutput` (with the request's times), and `stats()` returns an `EngineStats` snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from batcher.scheduler.blocks import PrefixCacheStats
+from batcher.schema import Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long, bad token ids, no chat template...)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. `text` and `token_ids` are the totals so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    finish_reason: str | None = None
+    error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
+    logprobs: list[TokenLogprob] | None = None  # of token_ids
+    choice: int = 0  # which of the request's n answers this is
+    choices: list[Choice] | None = None  # every answer, on the last output of a request with n > 1
+    # The request's times (time.monotonic()): added to the engine, its first token, its latest token.
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def to_result(self, timings: Timings | None = None, worker: str | None = None,
+                  model: str | None = None) -> GenerationResult:
+        """The wire-format result of a request that finished (with n > 1, the top-level fields are choice 0's)."""
+        first = self.choices[0] if self.choices else self
+        completion_tokens = sum(len(c.token_ids) for c in self.choices) if self.choices else len(self.token_ids)
+        return GenerationResult(
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion_tokens,
+                        cached_tokens=self.num_cached_tokens),
+            timings=timings or Timings(),
+            worker=worker,
+            model=model,
+            logprobs=first.logprobs,
+            choices=self.choices,
+        )
+
+
+@dataclass
+class StepStats:
+    """What the last step computed, for metrics and benchmarks."""
+
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_preempted: int
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine, for metrics and the figures a worker publishes."""
+
+    num_running: int
+    num_waiting: int
+    free_slots: int
+    kv_cache_usage: float  # fraction of KV-cache blocks in use
+    prefix_cache: PrefixCacheStats  # prompt tokens looked up in the prefix cache, and found there, since the start
+    dtype: str  # the dtype the model runs in, e.g. "bfloat16" (never "auto")
+    last_step: StepStats | None
+    urgency_preemptions: dict[str, int] = field(default_factory=dict)  # since the start, by the preempted's class
+
+
+class LoadedModelInfo(Protocol):
+    name: str
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    """`add` requests, `step` until `has_work` is false, `abort` one early. One thread drives it."""
+
+    loaded: LoadedModelInfo
+
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
+        """Queue a request; raise RequestError, keeping nothing, if it can never be served."""
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling decision and one forward; an output for every request that changed."""
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        """End a request now, keeping what it generated; None if the engine does not hold it."""
+
+    def has_work(self) -> bool: ...
+
+    @property
+    def free_slots(self) -> int:
+        """How many more requests could join without waiting for a slot."""
+
+    @property
+    def urgent_room(self) -> int:
+        """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
+
+    @property
+    def batch_deficit(self) -> int:
+        """How many batch requests to take before any other: what batch work lacks of its minimum share."""
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state."""

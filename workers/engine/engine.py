@@ -1,0 +1,299 @@
+"""The engine: `add`, `step`, `abort`, `has_work` (`workers.engine.api.EngineProtocol`). It knows nothing
+of Redis and holds no sequence state of its own: each step is glue between the parts,
+
+    tokenize (on add) -> Scheduler.schedule -> ModelRunner.execute -> Sampler.sample
+        -> Scheduler.update -> detokenize (and stop strings)
+
+and returns what changed for each request: new tokens and text, the request's times, and a finish reason
+when it is done. Plain data crosses the boundary: `add` returns nothing, outputs are copies, and `stats()` is a
+snapshot, so no one outside holds a live sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from batcher.config import EngineConfig
+from batcher.scheduler import Scheduler, StepPlan
+from batcher.scheduler.blocks import BlockAllocator, blocks_needed
+from batcher.scheduler.sequence import Sequence, SequenceStatus
+from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
+from batcher.service_class import class_of, urgency_of
+from workers.engine.api import EngineStats, RequestError, RequestOutput, StepStats
+from workers.engine.choices import Choices
+from workers.engine.detokenize import IncrementalDetokenizer
+from workers.engine.logprobs import Logprobs
+from workers.engine.sampling import Sampler
+from workers.engine.structured import Grammars
+from workers.model.loading import LoadedModel
+from workers.model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# One tiny request run before serving or timing keeps first-call costs (allocations, lazy init) out of both.
+WARMUP_REQUEST = GenerationRequest(prompt_token_ids=[100] * 16, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+WARMUP_REQUEST_ID = "warmup"
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    new_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # all of them, when the request asked
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.runner = ModelRunner(loaded, config)
+        limits = [v for v in (config.max_model_len, loaded.max_position_embeddings) if v]
+        self.max_model_len = min(limits) if limits else 1 << 20
+        allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(config, allocator, loaded.eos_token_ids, self.max_model_len)
+        self.sampler = Sampler(self.runner.device)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self.logprobs = Logprobs(loaded.tokenizer)
+        self.choices = Choices()
+        self.step_index = 0
+        self.last_step: StepStats | None = None
+        self._requests: dict[str, _Request] = {}
+
+    # ----- the public API -----
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises RequestError, and keeps nothing, if it can never be served."""
+        if request_id in self._requests or request_id in self.choices:
+            raise RequestError(f"request id {request_id!r} is already in the engine")
+        prompt_ids = self.tokenize(request)
+        self._check_servable(prompt_ids, request)
+        sequences = self.choices.expand(request_id, request)  # one per choice (n)
+        for i, (sequence_id, _) in enumerate(sequences):
+            try:
+                self.grammars.admit(sequence_id, request)
+            except RequestError:
+                for admitted, _ in sequences[:i]:
+                    self.grammars.forget(admitted)
+                raise
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for sequence_id, sampling in sequences:
+            seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival, service_class=class_of(request),
+                           urgency=urgency_of(request), tenant=request.tenant)
+            detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
+            self._requests[sequence_id] = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
+            self.scheduler.add(seq)
+        self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def free_slots(self) -> int:
+        """How many more requests could join without waiting for a slot."""
+        return self.scheduler.free_slots
+
+    @property
+    def urgent_room(self) -> int:
+        """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
+        return self.scheduler.urgent_room
+
+    @property
+    def batch_deficit(self) -> int:
+        """How many batch requests to take before any other: what batch work lacks of its minimum share."""
+        return self.scheduler.batch_deficit
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in (never "auto": `build_engine` resolves it)."""
+        return self.config.dtype
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state, for metrics and the worker's published figures."""
+        scheduler = self.scheduler
+        return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                           free_slots=scheduler.free_slots, kv_cache_usage=scheduler.allocator.usage,
+                           prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
+                           last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions))
+
+    def warm_up(self) -> None:
+        """Run one tiny request to the end, before serving or timing anything."""
+        self.add(WARMUP_REQUEST_ID, WARMUP_REQUEST)
+        while self.has_work():
+            self.step()
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        """End a request now, keeping what it generated. None if the engine does not hold it."""
+        outputs = []
+        for sequence_id in self.choices.live(request_id):
+            req = self._requests.get(sequence_id)
+            if req is not None:
+                req.delta_text += req.detokenizer.flush()
+                outputs.append(self._finish(req, reason))
+        merged = self.choices.merge(outputs, self.abort)
+        return merged[-1] if merged else None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, update; return an output for every request that changed."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        computed, sampled, outputs = self._run(plan)
+        finished = set(self.scheduler.update(computed, sampled))
+        for seq, token in sampled.items():
+            req = self._requests[seq.request_id]
+            try:
+                outputs.append(self._accept(req, token, seq in finished))
+            except Exception as exc:  # one request's post-processing must not take down the others
+                log.exception("request %s failed after sampling", seq.request_id)
+                outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
+        self.last_step = StepStats(
+            step=self.step_index,
+            num_seqs=len(plan.num_tokens),
+            num_tokens=plan.total_tokens,
+            num_prefill_tokens=sum(n for n in plan.num_tokens.values() if n > 1),
+            num_preempted=len(plan.preempted),
+            duration_s=time.perf_counter() - started,
+        )
+        self.step_index += 1
+        outputs = self.choices.merge(outputs, self.abort)
+        return outputs
+
+    # ----- helpers -----
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        tokenizer = self.loaded.tokenizer
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if request.messages is not None and not has_template:
+            raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
+        if request.messages is not None or (request.chat and has_template):
+            messages = ([m.model_dump() for m in request.messages] if request.messages is not None
+                        else [{"role": "user", "content": request.prompt}])
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        return list(tokenizer(request.prompt)["input_ids"])
+
+    def _check_servable(self, prompt_ids: list[int], request: GenerationRequest) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                               f"{self.max_model_len} (max_model_len), with room needed for at least one new token")
+        bad = next((t for t in prompt_ids if t >= self.loaded.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (size {self.loaded.vocab_size})")
+        longest = min(len(prompt_ids) + request.sampling.max_tokens, self.max_model_len)
+        allocator = self.scheduler.allocator
+        if blocks_needed(longest, allocator.block_size) > allocator.num_blocks:
+            raise RequestError(f"the request may need {longest} tokens of KV cache; the whole cache holds "
+                               f"{allocator.num_blocks * allocator.block_size}")
+
+    def _run(self, plan: StepPlan) -> tuple[StepPlan, dict[Sequence, int], list[RequestOutput]]:
+        """Run the plan; if the forward raises, rerun each sequence alone and fail only the culprits.
+
+        Returns the part of the plan that was computed, the token each of its sampling sequences drew, and the
+        outputs of the sequences that failed."""
+        try:
+            return plan, self._forward(plan), []
+        except Exception as exc:
+            if len(plan.num_tokens) == 1:
+                seq = next(iter(plan.num_tokens))
+                log.exception("request %s failed in the forward", seq.request_id)
+                failed = self._fail(self._requests[seq.request_id], f"{type(exc).__name__}: {exc}")
+                return StepPlan(preempted=plan.preempted), {}, [failed]
+            log.warning("a step of %d sequences failed (%s); isolating the culprit", len(plan.num_tokens), exc)
+        computed, sampled, failures = StepPlan(preempted=plan.preempted), {}, []
+        for seq, n in plan.num_tokens.items():
+            if seq.status is not SequenceStatus.RUNNING:  # it started from blocks a failed sequence never filled
+                computed.preempted.append(seq)
+                continue
+            part, part_sampled, part_failures = self._run(StepPlan({seq: n}))
+            computed.num_tokens.update(part.num_tokens)
+            sampled.update(part_sampled)
+            failures += part_failures
+        return computed, sampled, failures
+
+    @torch.inference_mode()
+    def _forward(self, plan: StepPlan) -> dict[Sequence, int]:
+        self.grammars.begin(plan)
+        logits, seqs = self.runner.execute(plan)
+        self.grammars.mask(logits, seqs)
+        captured = self.logprobs.capture(logits, seqs)
+        tokens = self.sampler.sample(logits, seqs)
+        self.logprobs.record(captured, seqs, tokens)
+        return dict(zip(seqs, tokens))
+
+    def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
+        """Detokenize the token the scheduler took; a stop string or a complete grammar ends the request here."""
+        seq = req.seq
+        grammar_complete = self.grammars.advance(seq)
+        req.new_token_ids.append(token)
+        logprob = self.logprobs.pop(seq.request_id)
+        if logprob is not None:
+            req.new_logprobs.append(logprob)
+            req.logprobs.append(logprob)
+        req.delta_text += req.detokenizer.push(token)
+        if req.detokenizer.stopped or grammar_complete:
+            self.scheduler.finish(seq, "stop")  # a stop string or a complete grammar names the reason, even last
+            finished = True
+        if finished:
+            req.delta_text += req.detokenizer.flush()
+            self._forget(req)
+            return self._emit(req, finish_reason=seq.finish_reason)
+        return self._emit(req)
+
+    def _emit(self, req: _Request, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
+        seq = req.seq
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=req.new_token_ids,
+            delta_text=req.delta_text,
+            text=req.detokenizer.text,
+            token_ids=seq.output_token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            finish_reason=finish_reason,
+            error=error,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            last_token_time=seq.last_token_time,
+            new_logprobs=None if req.logprobs is None else req.new_logprobs,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+        )
+        req.new_token_ids, req.delta_text, req.new_logprobs = [], "", []
+        return out
+
+    def _finish(self, req: _Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(req.seq, reason)
+        self._forget(req)
+        return self._emit(req, finish_reason=reason)
+
+    def _fail(self, req: _Request, error: str) -> RequestOutput:
+        self.scheduler.finish(req.seq, "error")
+        self._forget(req)
+        return self._emit(req, error=error)
+
+    def _forget(self, req: _Request) -> None:
+        """Drop the engine's per-request helpers of a sequence the scheduler has finished."""
+        self.sampler.forget(req.seq.request_id)
+        self.grammars.forget(req.seq.request_id)
+        self.logprobs.pop(req.seq.request_id)
+        del self._requests[req.seq.request_id]
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load `config.model` and build an engine around it, with `dtype="auto"` resolved (and logged)."""
+    from workers.model.loading import load_model
+    from workers.model.precision import DTYPES, resolve_dtype
+    from workers.model.runner import resolve_device
+
+    torch.set_grad_enabled(False)
+    config = replace(config, dtype=resolve_dtype(config.dtype, resolve_device(config.device)))
+    return Engine(load_model(config.model, DTYPES[config.dtype]), config)

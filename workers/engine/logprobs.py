@@ -1,0 +1,69 @@
+"""Log-probabilities of sampled tokens, for requests that ask (`SamplingParams.logprobs`).
+
+`capture` runs between the grammar mask and the sampler: the log-softmax of the rows that asked, taken
+before repetition penalty, temperature, top-k and top-p touch the logits (batcher.schema.TokenLogprob says
+what the numbers mean). `record` then keeps, per request, the sampled token's logprob and the top
+alternatives until the engine takes the token (`pop`). A step where no sequence asked costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from batcher.scheduler.sequence import Sequence
+from batcher.schema import TokenLogprob, TopLogprob
+
+TOKEN_TEXT_CACHE_SIZE = 1 << 16
+IMPOSSIBLE_LOGPROB = -9999.0  # what OpenAI reports for a token of no probability (JSON has no -inf)
+
+
+@dataclass
+class Captured:
+    rows: list[int]  # rows of the step's logits
+    logprobs: torch.Tensor  # [len(rows), V]
+    top_values: torch.Tensor  # [len(rows), k]
+    top_ids: torch.Tensor
+
+
+class Logprobs:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._pending: dict[str, TokenLogprob] = {}
+
+    def capture(self, logits: torch.Tensor, seqs: list[Sequence]) -> Captured | None:
+        rows = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
+        if not rows:
+            return None
+        logprobs = logits[rows].float().log_softmax(dim=-1)
+        k = max(seqs[i].sampling.logprobs for i in rows)
+        top = logprobs.topk(k, dim=-1) if k else None
+        empty = logprobs[:, :0]
+        return Captured(rows, logprobs, top.values if top else empty, top.indices if top else empty.long())
+
+    def record(self, captured: Captured | None, seqs: list[Sequence], tokens: list[int]) -> None:
+        if captured is None:
+            return
+        chosen = captured.logprobs[range(len(captured.rows)), [tokens[i] for i in captured.rows]].tolist()
+        top_values, top_ids = captured.top_values.tolist(), captured.top_ids.tolist()
+        for j, i in enumerate(captured.rows):
+            k = seqs[i].sampling.logprobs
+            top = [TopLogprob(token=self.text(t), logprob=v)
+                   for t, v in zip(top_ids[j][:k], top_values[j][:k]) if math.isfinite(v)]
+            self._pending[seqs[i].request_id] = TokenLogprob(
+                token=self.text(tokens[i]), logprob=max(chosen[j], IMPOSSIBLE_LOGPROB), top_logprobs=top)
+
+    def pop(self, request_id: str) -> TokenLogprob | None:
+        """The logprobs of the token the request was last given (None if it did not ask)."""
+        return self._pending.pop(request_id, None)
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if len(self._texts) >= TOKEN_TEXT_CACHE_SIZE:
+                self._texts.clear()
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -1,0 +1,163 @@
+"""Admission: while the engine has room, take jobs from the queues (most urgent class first, fairly between
+tenants: `workers.job_worker.class_pick`) and start them.
+
+Each taken job moves into its queue's intermediate list, as RQ's reliable dequeue moves it, is fetched,
+started as its own RQ Execution under a lease (one transaction for all jobs taken together), decoded, checked
+against its deadline and its cancel flag, and handed to the engine. A job that cannot run ends at once with a
+readable reason. A busy worker rescans the queues at most every BUSY_RESCAN_S; an idle one blocks on Redis until
+its first queue has work (without taking it), then picks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+
+from batcher.jobs import keys
+from batcher.jobs.life import TERMINAL_STATUSES, InvalidJob, decode_request
+from batcher.jobs.redis_retry import REDIS_ERRORS
+from batcher.jobs.rq_adapter import WORKERS_SUSPENDED, BaseJobWorker, Execution, Job, Queue, failure_ttl
+from batcher.schema import GenerationRequest
+from workers.engine.api import EngineProtocol, RequestError
+from workers.job_worker.class_pick import ClassAdmission
+from workers.job_worker.in_flight import InFlight, InFlightJobs
+from workers.job_worker.leases import claim_on, fenced
+from workers.job_worker.stream_writer import StreamWriter
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 1  # the longest an idle worker blocks on Redis (or waits while suspended)
+BUSY_RESCAN_S = 0.02  # a busy worker that found nothing to admit looks again after this long, not every step
+CANCELLED_BEFORE_START = "cancelled before it started"
+
+Taken = tuple[Job, Queue, str]  # a job the pick took, its queue, and the tenant its advance was charged to
+
+
+class Admission:
+    """Takes and starts jobs for one worker; remembers what it last read of the queues."""
+
+    def __init__(self, worker: BaseJobWorker, engine: EngineProtocol, jobs: InFlightJobs,
+                 streams: StreamWriter) -> None:
+        self.worker, self.engine, self.jobs, self.streams = worker, engine, jobs, streams
+        self.classes = ClassAdmission(worker)  # the class and tenant queues, and the fair pick among them
+        self.queue_depths: dict[str, int] = {}  # queue lengths, as last read
+        self.suspended = False  # `rq suspend` is on, as last read: nothing is admitted
+        self.queues_empty = False
+        self._next_scan = 0.0  # time.monotonic() of the next scan while busy
+
+    def admit(self, block: bool) -> list[InFlight]:
+        """Take the most urgent jobs the engine has room for (its free slots, and room it would make by preempting
+        less urgent work: `workers.job_worker.class_pick`), waiting up to IDLE_WAIT_S for one if `block`; start them
+        and return them: each is in the engine, or has already ended."""
+        free, extra = self.engine.free_slots, self.engine.urgent_room
+        if (free <= 0 and extra <= 0) or (self.engine.has_work() and time.monotonic() < self._next_scan):
+            return []
+        worker = self.worker
+        with worker.connection.pipeline(transaction=False) as pipe:
+            pipe.exists(WORKERS_SUSPENDED)
+            self.classes.read_on(pipe)
+            suspended, *registries = pipe.execute()
+        self.classes.update(registries)
+        self._next_scan = time.monotonic() + BUSY_RESCAN_S
+        self.suspended = bool(suspended)
+        if self.suspended:  # `rq suspend`: admit nothing; the jobs in flight go on
+            self.queues_empty = True
+            if block:
+                self.jobs.wait(IDLE_WAIT_S)
+            return []
+        self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit)
+        self.queues_empty = not any(self.queue_depths.values())
+        taken: list[Taken] = []
+        for queue, ids in picked:
+            taken += self._readable(queue, ids)
+        if not taken and block and worker.wait_for_work(worker.queues[0], IDLE_WAIT_S):
+            self._next_scan = 0.0
+            return self.admit(block=False)  # the pick takes what arrived, fairly
+        if not taken:
+            return []
+        self._next_scan = 0.0  # there may be more: look again before the next step
+        return self._start(taken)
+
+    def _readable(self, queue: Queue, ids: list[tuple[str, str]]) -> list[Taken]:
+        """The jobs RQ can load; an id whose job was deleted meanwhile, or is unreadable, is dropped."""
+        jobs = []
+        for (job_id, tenant), job in zip(ids, self._fetch([job_id for job_id, _ in ids])):
+            if job is None:
+                self.worker.drop_taken(queue, job_id)
+            else:
+                jobs.append((job, queue, tenant))
+        return jobs
+
+    def _fetch(self, job_ids: list[str]) -> list[Job | None]:
+        worker = self.worker
+        try:
+            return worker.job_class.fetch_many(job_ids, connection=worker.connection, serializer=worker.serializer)
+        except REDIS_ERRORS:
+            raise  # not the jobs' fault: they stay in the intermediate list, which recovery requeues
+        except Exception:  # one unreadable hash fails the whole batch: read them one by one
+            jobs = []
+            for job_id in job_ids:
+                try:
+                    jobs.append(worker.job_class.fetch(job_id, connection=worker.connection,
+                                                       serializer=worker.serializer))
+                except REDIS_ERRORS:
+                    raise
+                except Exception as exc:
+                    log.error("dropping job %s: RQ cannot read it: %s", job_id, exc)
+                    jobs.append(None)
+            return jobs
+
+    def _start(self, taken: list[Taken]) -> list[InFlight]:
+        """Start every taken job as its own Execution under a lease (one transaction), then hand it to the
+        engine. A job another execution holds (a duplicate queue entry) or that already ended is only dropped."""
+        worker = self.worker
+        started: list[tuple[Job, Queue, str, Execution, int]] = []
+
+        def build(pipe, holders: list[str | None]) -> None:
+            started.clear()
+            pipe.multi()
+            for (job, queue, tenant), holder in zip(taken, holders):
+                if holder is not None or job.get_status(refresh=False) in TERMINAL_STATUSES:
+                    log.warning("job %s is %s; dropping a duplicate of it from queue %s", job.id,
+                                "leased by another execution" if holder else "over", queue.name)
+                    worker.drop_taken(queue, job.id, pipe)
+                    continue
+                execution = worker.start_on(pipe, job, queue)
+                claim_on(pipe, job.id, execution.id, queue.name, worker.lease_s)
+                started.append((job, queue, tenant, execution, len(pipe)))
+                pipe.exists(keys.cancel_key(job.id))
+                pipe.xrevrange(keys.stream_key(job.id), count=1)
+
+        replies = fenced(worker.connection, [job.id for job, _, _ in taken], build)
+        admitted_at = time.monotonic()
+        admitted = []
+        for job, queue, tenant, execution, at in started:
+            f = InFlight(job, queue, execution, admitted_at, worker.result_ttl(job), failure_ttl(job), tenant)
+            cancelled, top = replies[at], replies[at + 1]
+            self.streams.begin(job.id, execution.id, top[0][0] if top else None, f.result_ttl)
+            admitted.append(f)
+            self._hand_over(f, cancelled)
+        return admitted
+
+    def _hand_over(self, f: InFlight, cancelled: bool) -> None:
+        """Decode a started job and add it to the engine; or end it at once with the reason it cannot run."""
+        try:
+            request = f.request = decode_request(f.job)
+            if cancelled:
+                f.ended("stopped", reason=CANCELLED_BEFORE_START)
+                return
+            _check_deadline(request)
+            self.engine.add(f.id, request, arrival_time=f.admitted_at)
+            if request.timeout_s is not None:
+                f.timeout_at = f.admitted_at + request.timeout_s
+        except (InvalidJob, RequestError) as exc:
+            f.ended("failed", reason=str(exc))
+        except Exception as exc:  # one bad job must not take the worker down
+            log.exception("job %s could not be admitted", f.job.id)
+            f.ended("failed", reason=f"{type(exc).__name__}: {exc}")
+
+
+def _check_deadline(request: GenerationRequest) -> None:
+    if request.deadline is not None and datetime.now(timezone.utc) > request.deadline:
+        raise InvalidJob(f"the deadline {request.deadline.isoformat()} passed while the job was queued")

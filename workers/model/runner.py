@@ -1,0 +1,265 @@
+"""Runs one forward per engine step over a ragged batch, with the paged KV cache.
+
+The runner only executes: it gets `{sequence: n_tokens}` from the scheduler, packs every
+sequence's new tokens into one row with explicit positions and cache slots, and returns the
+logits of the sequences that sample this step.
+
+Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
+same, with all decodes in one group for `kernels.native`'s kernel, and in bf16 prompt chunks on its prefill
+kernel), or the Triton one (flat arrays, `kernels.triton_attention`), as
+`EngineConfig.attention_backend` resolves.
+
+How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
+(`workers.model.packed_linear`), and a decode step's few rows, in bf16 or fp32, on `kernels.native`'s kernels where
+they run; the layers of a Llama-shaped model run fused (`workers.model.fused_decoder`) where those kernels load; with
+`EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a compiled forward
+(`workers.model.compiled_forward`), padded to a few token-count buckets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from batcher.config import ATTENTION_CPU, ATTENTION_TRITON, EngineConfig
+from batcher.scheduler import StepPlan
+from batcher.scheduler.sequence import Sequence
+from kernels import native
+from kernels.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    decode_runs,
+    length_bias,
+    shared_prefix_runs,
+    step_metadata,
+)
+from kernels.triton_attention import FlatAttentionMetadata
+from workers.model.attention_backend import resolve_attention_backend
+from workers.model.compiled_forward import CompiledForward
+from workers.model.fused_decoder import FusedDecoder
+from workers.model.loading import LoadedModel
+from workers.model.packed_linear import can_pack, fp32_rows_native, pack_linears, route_fp32_linears
+from workers.model.precision import DTYPES
+
+log = logging.getLogger(__name__)
+
+DECODE_PAD_RATIO = 2  # decodes share a padded attention call while their contexts are within this ratio
+PAD_TOKEN_ID = 0  # fills a compiled step's padding rows; their keys are never written and their logits dropped
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a model, read from its config."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def num_kv_blocks(model: torch.nn.Module, config: EngineConfig) -> int:
+    """KV blocks that fit `config.kv_cache_bytes` (or `config.num_blocks` when given)."""
+    layers, kv_heads, head_dim = kv_shape(model)
+    bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * DTYPES[config.dtype].itemsize
+    return config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        if config.dtype not in DTYPES:
+            raise ValueError(f"the runner needs a concrete dtype, not {config.dtype!r} (build_engine resolves 'auto')")
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.block_size
+        self.model = loaded.model.to(device=self.device, dtype=self.dtype)
+        layers, kv_heads, head_dim = kv_shape(self.model)
+        heads = self.model.config.get_text_config().num_attention_heads
+        self.heads_per_kv_head = heads // kv_heads
+        backend = resolve_attention_backend(config.attention_backend, self.device,
+                                            native.why_not(self.device, self.dtype, heads, kv_heads, head_dim))
+        self.flat_attention = backend == ATTENTION_TRITON
+        self.native_decode = backend == ATTENTION_CPU
+        # the prefill kernels are bf16's; their head_dims are the decode kernel's
+        self.native_prefill = self.native_decode and self.dtype == torch.bfloat16
+        if can_pack(self.device, self.dtype):
+            few_rows_native = native.load() is not None
+            log.info("packed %d linear weights for oneDNN%s", pack_linears(self.model, few_rows_native),
+                     "; decode rows on the bf16 CPU kernels" if few_rows_native else "")
+        elif fp32_rows_native(self.device, self.dtype):
+            log.info("%d fp32 linears take decode rows on the fp32 CPU kernel", route_fp32_linears(self.model))
+        self.fused = FusedDecoder.of(self.model, self.device, self.dtype)
+        self.num_blocks = num_kv_blocks(self.model, config)
+        slots = self.num_blocks * config.block_size
+        self.kv_caches = [
+            (torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device),
+             torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device))
+            for _ in range(layers)
+        ]
+        self.compiled: CompiledForward | None = None
+        if config.compile:
+            self.compiled = CompiledForward(self.model, min(config.max_num_seqs, config.max_num_batched_tokens))
+            self.compiled.compile_buckets(self._run_idle_step)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _plan_decodes(self, decodes: list[Sequence]) -> tuple[list[Sequence], list[DecodeGroup]]:
+        """Order the decodes into attention groups, built once per step. Decodes that start from the same
+        cached blocks (prefix caching) are grouped to read those blocks once, as long as their own keys
+        are no more than the shared ones (each decode's query also meets the others' own keys, masked);
+        the others are grouped by context length alone. On the cpu backend all decodes form one group: its
+        kernel reads each decode's blocks alone, in this order, so decodes that start from the same blocks
+        come one after the other and the second finds their prefix in the CPU's cache."""
+        if self.native_decode:
+            decodes = sorted(decodes, key=lambda seq: seq.block_table[0])
+            return decodes, [self._group(decodes, 0)] if decodes else []
+        by_first_block: dict[int, list[Sequence]] = {}
+        for seq in decodes:
+            by_first_block.setdefault(seq.block_table[0], []).append(seq)
+        order: list[Sequence] = []
+        groups: list[DecodeGroup] = []
+        alone: list[Sequence] = []
+        for members in by_first_block.values():
+            if len(members) == 1:
+                alone.extend(members)
+                continue
+            shared = sum(1 for _ in itertools.takewhile(lambda blocks: len(set(blocks)) == 1,
+                                                        zip(*(s.block_table for s in members))))
+            for part in self._by_context(members):
+                per_group = max(1, shared // (max(len(s.block_table) for s in part) - shared))
+                for chunk in (part[i : i + per_group] for i in range(0, len(part), per_group)):
+                    if len(chunk) == 1:
+                        alone.extend(chunk)
+                        continue
+                    groups.append(self._shared_group(chunk, shared, len(order)))
+                    order.extend(chunk)
+        for part in self._by_context(alone):
+            groups.append(self._group(part, len(order)))
+            order.extend(part)
+        return order, groups
+
+    @staticmethod
+    def _by_context(decodes: list[Sequence]) -> list[list[Sequence]]:
+        """Sort by context length, and split where a context exceeds DECODE_PAD_RATIO times the part's shortest."""
+        parts: list[list[Sequence]] = []
+        for seq in sorted(decodes, key=lambda s: s.num_computed_tokens):
+            if not parts or seq.num_computed_tokens + 1 > DECODE_PAD_RATIO * (parts[-1][0].num_computed_tokens + 1):
+                parts.append([])
+            parts[-1].append(seq)
+        return parts
+
+    def _group(self, decodes: list[Sequence], start: int) -> DecodeGroup:
+        """Decodes at rows `start...`, each over its own blocks, padded to the longest (the cpu backend's
+        kernel reads each decode's blocks alone: no padding is read, so no mask is built)."""
+        width = max(len(s.block_table) for s in decodes)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
+        lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+        if self.native_decode:
+            return DecodeGroup(start, start + len(decodes), tables, lens, bias=None, native=True)
+        bias = length_bias(lens, width * self.block_size, self.dtype)
+        runs = decode_runs([s.block_table for s in decodes], lens.tolist(), self.block_size, self.device)
+        return DecodeGroup(start, start + len(decodes), tables.to(self.device), lens.to(self.device),
+                           bias.to(self.device), runs=runs)
+
+    def _shared_group(self, decodes: list[Sequence], shared: int, start: int) -> DecodeGroup:
+        """Decodes at rows `start...` that all start from the same `shared` blocks: one row of blocks (those
+        once, then each decode's own, padded to one width) and a bias, one row per query head, that shows
+        each decode its keys."""
+        own = [s.block_table[shared:] for s in decodes]
+        width = max(len(blocks) for blocks in own)
+        row = decodes[0].block_table[:shared] + [b for blocks in own for b in blocks + [0] * (width - len(blocks))]
+        lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+        own_keys, own_lens = width * self.block_size, lens - shared * self.block_size
+        key = torch.arange(len(decodes) * own_keys)
+        sees = (key[None, :] // own_keys == torch.arange(len(decodes))[:, None]) & (key % own_keys < own_lens[:, None])
+        bias = torch.zeros(len(decodes), len(row) * self.block_size, dtype=self.dtype)
+        bias[:, shared * self.block_size :].masked_fill_(~sees, float("-inf"))
+        bias = bias.repeat_interleave(self.heads_per_kv_head, dim=0)
+        return DecodeGroup(start, start + len(decodes), torch.tensor([row], device=self.device), lens.to(self.device),
+                           bias.to(self.device), shared_blocks=shared,
+                           prefix_runs=shared_prefix_runs(row[:shared], self.block_size, self.device))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
+        """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
+        K sequences whose prompt is now fully computed, in the order returned."""
+        decodes = [s for s, n in plan.num_tokens.items() if n == 1]
+        decodes, decode_groups = (decodes, []) if self.flat_attention else self._plan_decodes(decodes)
+        prefills = [(s, n) for s, n in plan.num_tokens.items() if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        spans: list[PrefillSpan] = []
+        sampling: list[Sequence] = []
+        last_rows: list[int] = []
+        rows: list[tuple[list[int], int, int]] = []  # (block table, first position, new tokens), for flat attention
+        for seq, n in [(s, 1) for s in decodes] + prefills:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq, start, end))
+            rows.append((seq.block_table, start, n))
+            if n > 1 and not self.flat_attention:
+                spans.append(PrefillSpan.of(row, n, start, seq.block_table, self.block_size, self.device,
+                                            self.native_prefill))
+            if plan.samples(seq):
+                sampling.append(seq)
+                last_rows.append(row + n - 1)
+
+        if self.flat_attention:
+            metadata = FlatAttentionMetadata.build(self.kv_caches, self.block_size, rows, slot_mapping, self.device)
+        else:
+            metadata = AttentionMetadata(
+                kv_caches=self.kv_caches,
+                num_tokens=len(input_ids),
+                slot_mapping=torch.tensor(slot_mapping, device=self.device),
+                num_decodes=len(decodes),
+                block_size=self.block_size,
+                decode_groups=decode_groups,
+                prefills=spans,
+            )
+        if not sampling:
+            last_rows = [len(input_ids) - 1]  # the LM head needs at least one row; its logits are unused
+        logits = self._forward(input_ids, positions, last_rows, metadata)
+        return logits[: len(sampling)].float(), sampling
+
+    def _forward(self, input_ids: list[int], positions: list[int], last_rows: list[int],
+                 metadata: AttentionMetadata | FlatAttentionMetadata) -> torch.Tensor:
+        """Logits of `last_rows` (and maybe of padding rows after them). A step that fits a compiled
+        bucket is padded to it and runs the compiled forward; any other runs eagerly, on the fused layers where
+        they serve the model."""
+        model = self.model
+        bucket = self.compiled.bucket(len(input_ids)) if self.compiled else None
+        if bucket is None and self.fused is not None:
+            return self.fused(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                              torch.tensor(last_rows, device=self.device), metadata)
+        if bucket is not None:
+            model = self.compiled
+            input_ids = input_ids + [PAD_TOKEN_ID] * (bucket - len(input_ids))
+            positions = positions + [0] * (bucket - len(positions))
+            last_rows = last_rows + [0] * (bucket - len(last_rows))
+        with step_metadata(metadata):
+            out = model(
+                input_ids=torch.tensor([input_ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(last_rows, device=self.device),
+            )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def _run_idle_step(self, num_tokens: int) -> None:
+        """A step of `num_tokens` padding rows and no real token: it touches no cache, and compiles a bucket."""
+        idle = FlatAttentionMetadata if self.flat_attention else AttentionMetadata
+        self._forward([PAD_TOKEN_ID] * num_tokens, [0] * num_tokens, [0],
+                      idle.idle(self.kv_caches, self.block_size, self.device))
