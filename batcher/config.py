@@ -16,6 +16,7 @@ DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash pe
 ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU = "auto", "torch", "triton", "cpu"
 ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU)
 DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, cpu for bf16 on an AVX-512 BF16 CPU, else torch
+DEFAULT_STEP_TIME_TARGET_S = 0.2  # while urgent work is about (batcher/scheduler/step_budget.py); 0: none
 DEFAULT_MIN_BATCH_SHARE = 0.25  # of the slots, kept by batch work under any load of more urgent work
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
@@ -42,6 +43,7 @@ class EngineConfig:
     prefix_caching: bool = DEFAULT_PREFIX_CACHING
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     min_batch_share: float = DEFAULT_MIN_BATCH_SHARE
+    step_time_target: float = DEFAULT_STEP_TIME_TARGET_S  # seconds; 0 turns the target off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
@@ -53,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not 0.0 <= self.min_batch_share <= 1.0:
             raise ValueError(f"min_batch_share is a fraction of the slots, 0 to 1, got {self.min_batch_share}")
+        if self.step_time_target < 0:
+            raise ValueError(f"step_time_target is in seconds, 0 or more, got {self.step_time_target}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.dtype not in DTYPES:

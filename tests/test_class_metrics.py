@@ -26,9 +26,12 @@ def test_queue_time_ttft_tokens_and_urgency_preemptions_by_class_and_tenant(tiny
     engine.step()
     requests["i0"] = greedy(prompts[2], 3)
     engine.add("i0", requests["i0"])  # no slot free: it preempts a batch sequence
-    finals = {}
+    finals, mixes = {}, set()
     while engine.has_work():
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        outputs = engine.step()
+        hooks["on_step"](None, outputs)
+        mixes.add(engine.stats().last_step.mix)
+        finals.update({o.request_id: o for o in outputs if o.finished})
     for rid, out in finals.items():
         timings = Timings(queue_s=0.25, ttft_s=out.first_token_time - out.arrival_time)
         hooks["on_job_end"](None, JobEnd(rid, rid, "q", "finished", out.to_result(timings), request=requests[rid]))
@@ -38,6 +41,12 @@ def test_queue_time_ttft_tokens_and_urgency_preemptions_by_class_and_tenant(tiny
         return registry.get_sample_value(name, {"model_name": engine.loaded.name, **labels})
 
     assert value("batcher_urgency_preemptions_total", service_class="batch") == 1
+    assert value("batcher_fairness_preemptions_total") == 0
+    assert mixes >= {"interactive+batch", "batch"}
+    assert sum(value("batcher_step_seconds_count", mix=mix) for mix in mixes) == engine.step_index - 1, \
+        "every step but the first (run before the hooks) is timed under its mix"
+    assert value("batcher_step_prompt_token_budget") == engine.config.max_num_batched_tokens, \
+        "a tiny model's step fits any chunk in the target: the full budget"
     assert value("batcher_class_queue_time_seconds_count", service_class="batch") == 2
     assert value("batcher_class_time_to_first_token_seconds_count", service_class="interactive") == 1
     assert value("batcher_tenant_tokens_total", service_class="batch", tenant="key-a", kind="generated") == 6

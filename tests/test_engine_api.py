@@ -11,7 +11,7 @@ from workers.engine.api import EngineProtocol
 from workers.engine.engine import Engine
 
 METHODS = ["add", "step", "abort", "has_work", "stats"]
-PROPERTIES = ["free_slots", "urgent_room", "batch_deficit"]
+PROPERTIES = ["free_slots", "urgent_room", "fair_room", "batch_deficit"]
 
 
 @pytest.mark.parametrize("impl", [Engine, FakeEngine])

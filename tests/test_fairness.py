@@ -33,7 +33,7 @@ def candidate(name: str, group: int) -> Candidate:
     return Candidate(f"rq:queue:{name}", f"rq:intermediate:{name}", keys.fairness_key(BASE, parsed.service_class),
                      keys.job_tenants_key(BASE), keys.due_key(name), keys.waiting_tenants_key(name), group,
                      parsed.service_class == BATCH,
-                     parsed.tenant or "-")
+                     parsed.tenant or "-", parsed.service_class == INTERACTIVE)
 
 
 def push(redis, queue: str, job_ids: list[str]) -> None:
@@ -229,6 +229,24 @@ def test_a_job_that_names_no_tenant_is_served_as_one_more_tenant(fake_redis):
     assert [(job, tenant) for _, job, tenant in taken] == [("a-0", "a"), ("rq-0", "-"), ("a-1", "a"), ("rq-1", "-")]
     assert fake_redis.lrange(f"rq:intermediate:{BASE}", 0, -1) == [b"a-0", b"rq-0", b"a-1", b"rq-1"]
     assert fake_redis.lrange(f"rq:queue:{BASE}", 0, -1) == [b"a-2"]
+
+
+def test_the_fair_room_takes_the_least_served_interactive_job_of_a_tenant_holding_no_slot(fake_redis):
+    """A worker whose slots are all held (no free slot) takes, for the engine's fair room, a job of a tenant that
+    holds none of them, never one of a tenant that does, and never batch work."""
+    picker = Picker(fake_redis)
+    batch = class_queue(BASE, BATCH, 0, "c")
+    push(fake_redis, batch, ["c-0"])
+    enqueue_shared(fake_redis, BASE, [f"a-{i}" for i in range(5)] + ["b-0", "rq-0"])
+    rows = [candidate(BASE, 0), candidate(batch, RANK[BATCH] * 1000)]
+    end(fake_redis, BASE, "-", 0, 500)  # the plain-RQ producer was served more than b
+    _, taken = picker.pick(rows, free=0, fair_extra=1, holding=frozenset({"a"}))
+    assert [(job, tenant) for _, job, tenant in taken] == [("b-0", "b")]
+    _, taken = picker.pick(rows, free=0, fair_extra=2, holding=frozenset({"a", "b", "-"}))
+    assert taken == [], "every waiting interactive tenant holds a slot; batch work never takes the fair room"
+    _, taken = picker.pick(rows, free=0, fair_extra=2, holding=frozenset({"a", "b"}))
+    assert [job for _, job, _ in taken] == ["rq-0"]
+    assert fake_redis.llen(f"rq:queue:{BASE}") == 5 and fake_redis.llen(f"rq:queue:{batch}") == 1
 
 
 def test_a_tenants_job_deep_behind_anothers_flood_is_taken_at_once_and_gone_jobs_are_skipped(fake_redis):

@@ -67,10 +67,14 @@ def engine_options(func):
         click.option("--min-batch-share", type=click.FloatRange(0, 1), default=c.DEFAULT_MIN_BATCH_SHARE,
                      envvar="BATCHER_MIN_BATCH_SHARE", show_default=True,
                      help="Fraction of the slots batch work keeps under any load of interactive work."),
+        click.option("--step-time-target", type=click.FloatRange(0), default=c.DEFAULT_STEP_TIME_TARGET_S,
+                     envvar="BATCHER_STEP_TIME_TARGET", show_default=True,
+                     help="Seconds a step may take while interactive or priority work runs or waits: prompt chunks "
+                     "are sized to it from the measured step costs (0: always the full token budget)."),
     ]
     names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
              "kv_cache_bytes", "max_model_len", "dtype", "attention_backend", "device", "compile", "prefix_caching",
-             "min_batch_share"]
+             "min_batch_share", "step_time_target"]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

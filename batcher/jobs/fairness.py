@@ -47,21 +47,27 @@ VIRTUAL_TIME_FIELD = "~v"  # no tenant token has a "~"
 # KEYS, per candidate queue (in urgency order: non-batch groups first, then batch groups): its list, its
 # intermediate list, its class's fairness hash, the base's job-tenants hash and the queue's waiting-tenants set
 # (read for a shared queue), its due set (read for a batch queue).  ARGV: n, free, extra, batch_first, charge,
-# window, due_before (a unix time), then per queue: group, is_batch (1/0), tenant token (a batch queue's).
+# window, due_before (a unix time), fair_extra, then per queue: group, is_batch (1/0), tenant token (a batch
+# queue's), fair (1: an interactive queue), then the tokens of the tenants holding a slot of the worker.
 # Takes up to free + extra jobs: `extra` only for urgent work (non-batch classes and due batch lines: they
 # preempt batch work in the engine), the first `batch_first` from the batch class while it has any (its minimum
-# share). Returns the queues' lengths before, then (queue position, job id, tenant charged) triples.
+# share); then up to `fair_extra` interactive jobs of tenants holding no slot (each preempts a sequence of the
+# most-served tenant in the engine). Returns the queues' lengths before, then (queue position, job id, tenant
+# charged) triples.
 PICK_LUA = """
-local n, free, extra, batch_first, charge, window, due_before = tonumber(ARGV[1]), tonumber(ARGV[2]),
-  tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
-local group, is_batch, tenant, len = {}, {}, {}, {}
+local n, free, extra, batch_first, charge, window, due_before, fair_extra = tonumber(ARGV[1]),
+  tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7],
+  tonumber(ARGV[8])
+local group, is_batch, tenant, fair, len, holding = {}, {}, {}, {}, {}, {}
 local function key(i, k) return KEYS[6 * (i - 1) + k] end
 for i = 1, n do
-  group[i] = tonumber(ARGV[5 + 3 * i])
-  is_batch[i] = ARGV[6 + 3 * i] == '1'
-  tenant[i] = ARGV[7 + 3 * i]
+  group[i] = tonumber(ARGV[5 + 4 * i])
+  is_batch[i] = ARGV[6 + 4 * i] == '1'
+  tenant[i] = ARGV[7 + 4 * i]
+  fair[i] = ARGV[8 + 4 * i] == '1'
   len[i] = redis.call('LLEN', key(i, 1))
 end
+for a = 9 + 4 * n, #ARGV do holding[ARGV[a]] = true end
 local result = {}
 for i = 1, n do result[i] = len[i] end
 -- a tenant's counter, lifted to its class's virtual time (idle time banks no credit)
@@ -74,9 +80,10 @@ local function counter(h, t)
   end
   return c
 end
--- the oldest job of the least served tenant in shared queue i: each tenant's waiting jobs are listed in order
--- (<waiting set>:<tenant>); the jobs that name no tenant (plain RQ) are looked for among the first `window`
-local function shared_pick(i)
+-- the oldest job of the least served tenant in shared queue i (but the tenants in `skip`): each tenant's waiting
+-- jobs are listed in order (<waiting set>:<tenant>); the jobs that name no tenant (plain RQ) are looked for among
+-- the first `window`
+local function shared_pick(i, skip)
   local h, waiting = key(i, 3), key(i, 6)
   local best_id, best_t, best_c, listed = nil, nil, nil, 0
   for _, t in ipairs(redis.call('SMEMBERS', waiting)) do
@@ -86,12 +93,12 @@ local function shared_pick(i)
     else
       listed = listed + n
       local c = counter(h, t)
-      if best_c == nil or c < best_c then
+      if not skip[t] and (best_c == nil or c < best_c) then
         best_id, best_t, best_c = redis.call('LINDEX', waiting .. ':' .. t, 0), t, c
       end
     end
   end
-  if listed < len[i] then
+  if listed < len[i] and not skip['""" + NO_TENANT + """'] then
     local ids = redis.call('LRANGE', key(i, 1), 0, window - 1)
     local owners = redis.call('HMGET', key(i, 4), unpack(ids))
     for p = 1, #ids do
@@ -106,9 +113,9 @@ local function shared_pick(i)
 end
 -- take shared queue i's next job: (id, tenant, counter), or nil when nothing is left (an entry of a job no longer
 -- queued, cancelled or deleted, is dropped on the way)
-local function shared_take(i)
+local function shared_take(i, skip)
   while true do
-    local id, t, c = shared_pick(i)
+    local id, t, c = shared_pick(i, skip)
     if id == nil then return nil end
     if t ~= '""" + NO_TENANT + """' then redis.call('LPOP', key(i, 6) .. ':' .. t) end
     redis.call('HDEL', key(i, 4), id)
@@ -143,6 +150,16 @@ local function least_served_take()
   if best == nil then return nil end
   return best, redis.call('LPOP', key(best, 1)), tenant[best], best_c
 end
+-- a job taken: into its intermediate list, in the result, and charged to its tenant
+local function take(pick, id, t, c)
+  redis.call('RPUSH', key(pick, 2), id)  -- each way of taking a job took it out of its queue
+  len[pick] = len[pick] - 1
+  table.insert(result, pick)
+  table.insert(result, id)
+  table.insert(result, t)
+  if c ~= nil then redis.call('HSET', key(pick, 3), '~v', c) end  -- a due line's pick moves no virtual time
+  redis.call('HINCRBYFLOAT', key(pick, 3), t, charge)
+end
 while free + extra > 0 do
   local pick, id, t, c = nil, nil, nil, nil
   if batch_first > 0 and free > 0 then
@@ -156,7 +173,7 @@ while free + extra > 0 do
           pick, id, t, c = due_take()
           if pick == nil and free > 0 then pick, id, t, c = least_served_take() end
         else
-          id, t, c = shared_take(i)
+          id, t, c = shared_take(i, {})
           if id then pick = i end
         end
         break
@@ -164,18 +181,28 @@ while free + extra > 0 do
     end
   end
   if pick == nil then break end
-  redis.call('RPUSH', key(pick, 2), id)  -- each way of taking a job took it out of its queue
-  len[pick] = len[pick] - 1
-  table.insert(result, pick)
-  table.insert(result, id)
-  table.insert(result, t)
-  if c ~= nil then redis.call('HSET', key(pick, 3), '~v', c) end  -- a due line's pick moves no virtual time
-  redis.call('HINCRBYFLOAT', key(pick, 3), t, charge)
+  take(pick, id, t, c)
   if is_batch[pick] then
     redis.call('ZREM', key(pick, 5), id)
     if batch_first > 0 then batch_first = batch_first - 1 end
   end
   if free > 0 then free = free - 1 else extra = extra - 1 end
+end
+while fair_extra > 0 do
+  local pick, id, t, c = nil, nil, nil, nil
+  for i = 1, n do
+    if fair[i] and len[i] > 0 then
+      id, t, c = shared_take(i, holding)
+      if id then
+        pick = i
+        break
+      end
+    end
+  end
+  if pick == nil then break end
+  take(pick, id, t, c)
+  holding[t] = true
+  fair_extra = fair_extra - 1
 end
 return result
 """
@@ -195,6 +222,7 @@ class Candidate:
     group: int
     batch: bool
     tenant: str  # a batch queue's tenant token
+    fair: bool = False  # an interactive queue: its jobs may take the engine's fair room
 
 
 def cost(prompt_tokens: int, generated_tokens: int) -> float:
@@ -209,15 +237,19 @@ class Picker:
         self._script = connection.register_script(PICK_LUA)
 
     def pick(self, candidates: list[Candidate], free: int, extra: int = 0, batch_first: int = 0,
-             charge: float = PICK_CHARGE, now: float | None = None) -> tuple[list[int], list[tuple[int, str, str]]]:
-        """(each candidate's length before, [(candidate index, job id, tenant charged)] taken in pick order)."""
-        if not candidates or free + extra <= 0:
+             charge: float = PICK_CHARGE, now: float | None = None, fair_extra: int = 0,
+             holding: frozenset[str] = frozenset()) -> tuple[list[int], list[tuple[int, str, str]]]:
+        """(each candidate's length before, [(candidate index, job id, tenant charged)] taken in pick order).
+        `fair_extra` interactive jobs more are taken from tenants not `holding` a slot."""
+        if not candidates or free + extra + fair_extra <= 0:
             return [0] * len(candidates), []
         due_before = (time.time() if now is None else now) + DEADLINE_BOOST_S
-        script_keys, args = [], [len(candidates), free, extra, batch_first, charge, FAIR_WINDOW, due_before]
+        script_keys = []
+        args = [len(candidates), free, extra, batch_first, charge, FAIR_WINDOW, due_before, fair_extra]
         for c in candidates:
             script_keys += [c.queue_key, c.intermediate_key, c.fairness_key, c.tenants_key, c.due_key, c.waiting_key]
-            args += [c.group, 1 if c.batch else 0, c.tenant]
+            args += [c.group, 1 if c.batch else 0, c.tenant, 1 if c.fair else 0]
+        args += sorted(holding)
         reply = self._script(keys=script_keys, args=args)
         lengths = [int(n) for n in reply[:len(candidates)]]
         triples = reply[len(candidates):]

@@ -31,6 +31,8 @@ class WorkerStats:
     dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved); unknown from an older worker
     prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over those looked up, since start
     in_flight_by_class: str = ""  # e.g. "interactive=2,batch=30" (batcher/service_class.py)
+    step_time_target_s: float = 0.0  # while urgent work is about (batcher/scheduler/step_budget.py); 0: none
+    step_s: float = 0.0  # the engine's recent step time, measured (a moving average)
 
     @property
     def heartbeat_age_s(self) -> float:

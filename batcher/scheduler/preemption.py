@@ -9,16 +9,27 @@ levels within a class only order admission, so equal work never churns.
 
 Bounded so that batch work still progresses: batch sequences keep `batch_floor` slots (the engine's
 `min_batch_share` of `max_num_seqs`), are never preempted below it, and are admitted first while under it.
+
+Preemption for fairness, between interactive tenants: when an interactive request of a tenant that holds no slot
+waits and no slot is free, one interactive sequence of the most-served tenant (the one holding the most slots,
+more than one and above its fair share of them) gives way. The engine counts service by slots held, where the
+worker's pick counts tokens (VTC): the pick chose the waiting request because its tenant was the least served.
+Bounded so that it never churns: a sequence is preempted for fairness at most once per FAIRNESS_INTERVAL_STEPS
+steps, never within NEAR_END_TOKENS of its end, and priority work is never preempted by interactive work. Among
+waiting sequences of equal urgency, the one whose tenant holds the fewest slots is admitted first.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable
 
-from batcher.service_class import BATCH, RANK
+from batcher.service_class import BATCH, INTERACTIVE, RANK
 
 BATCH_RANK = RANK[BATCH]
+FAIRNESS_INTERVAL_STEPS = 64  # steps between two fairness preemptions of one sequence, at least
+NEAR_END_TOKENS = 8  # a sequence this close to its max_tokens finishes rather than gives way
 
 
 def batch_floor(min_batch_share: float, max_num_seqs: int) -> int:
@@ -31,14 +42,15 @@ def count_batch(seqs: Iterable) -> int:
 
 
 def next_waiting(waiting, running, floor: int, free_slots: int):
-    """The waiting sequence to admit next: the most urgent (the first of equals: preempted sequences wait at the
-    front, the rest in arrival order); but a batch one while batch work runs under its floor and the more urgent
-    waiting work would take every free slot."""
+    """The waiting sequence to admit next: the most urgent, of equals the one whose tenant holds the fewest slots
+    (the first of those: preempted sequences wait at the front, the rest in arrival order); but a batch one while
+    batch work runs under its floor and the more urgent waiting work would take every free slot."""
     if count_batch(running) < floor and sum(1 for s in waiting if s.urgency[0] < BATCH_RANK) >= free_slots:
         for seq in waiting:
             if seq.service_class == BATCH:
                 return seq
-    return min(waiting, key=lambda s: s.urgency)
+    held = Counter(s.tenant for s in running)
+    return min(waiting, key=lambda s: (s.urgency, held[s.tenant]))
 
 
 def victim_for(seq, running, floor: int):
@@ -66,3 +78,42 @@ def urgent_room(running, waiting, floor: int, max_num_seqs: int) -> int:
 def batch_deficit(running, waiting, floor: int) -> int:
     """How many batch requests the worker takes before anything else: what batch work lacks of its floor."""
     return max(0, floor - count_batch(running) - count_batch(waiting))
+
+
+def fairness_victim(tenant, running, step: int, max_num_seqs: int):
+    """The running sequence to preempt so that an interactive request of `tenant`, which holds no slot, gets one:
+    of the tenant holding the most interactive slots, above its fair share of them, the latest admitted that may
+    give way (`may_give_way`). None if `tenant` holds a slot, or there is no such sequence."""
+    if any(s.tenant == tenant for s in running):
+        return None
+    held = Counter(s.tenant for s in running if s.service_class == INTERACTIVE)
+    share = max_num_seqs / (len(held) + 1)
+    for most_served, slots in held.most_common():
+        if slots <= max(1.0, share):  # one slot is never above a share: it would only change hands
+            return None
+        for seq in reversed(running):
+            if seq.tenant == most_served and seq.service_class == INTERACTIVE and may_give_way(seq, step):
+                return seq
+    return None
+
+
+def may_give_way(seq, step: int) -> bool:
+    """Whether a sequence may be preempted for fairness at `step`: not preempted so within the interval, and not
+    about to finish."""
+    recent = seq.fairness_preempted_at is not None and step - seq.fairness_preempted_at < FAIRNESS_INTERVAL_STEPS
+    return not recent and seq.sampling.max_tokens - seq.num_output_tokens > NEAR_END_TOKENS
+
+
+class _NewTenant:
+    """A tenant no sequence has: what `fair_room` asks `fairness_victim` about."""
+
+
+def fair_room(running, waiting, step: int, max_num_seqs: int) -> int:
+    """How many interactive requests of a tenant holding no slot the engine could take beyond its free slots (0 or
+    1), each to preempt one sequence of the most-served tenant. 0 while one such request already waits."""
+    if len(running) + len(waiting) < max_num_seqs:
+        return 0  # a slot is free: the pick fills it
+    holders = {s.tenant for s in running}
+    if any(s.service_class == INTERACTIVE and s.tenant not in holders for s in waiting):
+        return 0
+    return int(fairness_victim(_NewTenant(), running, step, max_num_seqs) is not None)

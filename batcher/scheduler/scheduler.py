@@ -7,14 +7,17 @@ sequence's state (`batcher.scheduler.sequence`) is made here.
 
 Continuous policy, every step:
   0. a waiting sequence of a more urgent class that no slot or KV block would admit preempts the least
-     urgent running one (batcher/scheduler/preemption.py: bounded so that batch work keeps its minimum share);
+     urgent running one (batcher/scheduler/preemption.py: bounded so that batch work keeps its minimum share),
+     and an interactive one of a tenant holding no slot preempts one of the most-served tenant's (fairness);
   1. running decodes take one token each, then running prefills take their next prompt chunk (those of a
      less urgent class than a waiting sequence only after the waiting are admitted);
   2. waiting sequences are admitted most urgent first (FIFO among equals) while slots, the token budget and
      KV blocks allow, a long prompt with only the chunk that fits (chunked prefill);
   3. when KV blocks run out, the least urgent (latest-admitted among equals) running sequence is preempted
      by recompute: its blocks are freed and it goes back to the front of the queue.
-The static policy is the baseline: it admits only into an empty batch and prefills whole prompts.
+While urgent work is about, prompt chunks are sized to the step-time target (batcher/scheduler/step_budget.py,
+from the step costs measured so far: `record_step`). The static policy is the baseline: it admits only into an
+empty batch and prefills whole prompts.
 
 Prefix caching (`batcher.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its
 tokens, counted as computed, and always computes at least its last token (it needs its logits).
@@ -36,6 +39,9 @@ from batcher.config import EngineConfig
 from batcher.scheduler import preemption
 from batcher.scheduler.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
 from batcher.scheduler.sequence import Sequence, SequenceStatus
+from batcher.scheduler.step_budget import StepBudget
+from batcher.scheduler.step_cost import StepCostModel
+from batcher.service_class import INTERACTIVE
 
 
 @dataclass
@@ -73,6 +79,10 @@ class Scheduler:
         self.prefix_cache_stats = PrefixCacheStats()
         self.batch_floor = preemption.batch_floor(config.min_batch_share, config.max_num_seqs)
         self.urgency_preemptions: dict[str, int] = {}  # by the preempted sequence's class
+        self.fairness_preemptions = 0
+        self.step_cost = StepCostModel()
+        self.budget = StepBudget(config.step_time_target, self.step_cost)
+        self.steps = 0  # schedule() calls that planned work
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,6 +100,14 @@ class Scheduler:
         if self.config.policy == "static":
             return 0
         return preemption.urgent_room(self.running, self.waiting, self.batch_floor, self.config.max_num_seqs)
+
+    @property
+    def fair_room(self) -> int:
+        """Interactive requests of a tenant holding no slot that could be taken beyond the free slots (0 or 1),
+        each to preempt one sequence of the most-served tenant."""
+        if self.config.policy == "static":
+            return 0
+        return preemption.fair_room(self.running, self.waiting, self.steps, self.config.max_num_seqs)
 
     @property
     def batch_deficit(self) -> int:
@@ -137,7 +155,12 @@ class Scheduler:
             return "length"
         return None
 
-    def schedule(self) -> StepPlan:
+    def record_step(self, plan: StepPlan, seconds: float) -> None:
+        """What `plan`'s step took, measured: the step-cost model learns from it."""
+        decode_rows = sum(1 for n in plan.num_tokens.values() if n == 1)
+        self.step_cost.observe(plan.total_tokens - decode_rows, decode_rows, seconds)
+
+    def schedule(self, now: float | None = None) -> StepPlan:
         static = self.config.policy == "static"
         limit = float("inf") if static else self.config.max_num_batched_tokens
         plan = StepPlan()
@@ -147,6 +170,9 @@ class Scheduler:
         preempted_for_urgency = len(plan.preempted)
 
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        if not static:
+            urgent = any(s.urgency[0] < preemption.BATCH_RANK for s in (*self.running, *self.waiting))
+            self.budget.begin(time.monotonic() if now is None else now, urgent, len(decodes))
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         most_urgent = min((s.urgency[0] for s in self.waiting), default=None)
         later = [s for s in prefills if most_urgent is not None and s.urgency[0] > most_urgent]
@@ -159,18 +185,23 @@ class Scheduler:
                 break
             seq = preemption.next_waiting(self.waiting, self.running, self.batch_floor,
                                           self.config.max_num_seqs - len(self.running))
-            if urgent_admitted and seq.urgency[0] == preemption.BATCH_RANK:
+            urgent = seq.urgency[0] < preemption.BATCH_RANK
+            if urgent_admitted and not urgent:
                 break  # a step that starts more urgent work carries no new prompt of less urgent work: it is short
-            shared, n, new = self._first_chunk(seq, budget)
-            if not self.allocator.can_allocate(new, shared):
+            shared, n, new = self._first_chunk(seq, min(budget, self.budget.allowance(urgent)))
+            if n <= 0 or not self.allocator.can_allocate(new, shared):
                 break
             self.waiting.remove(seq)
             self._admit(seq, shared, new)
             plan.num_tokens[seq] = n
             self._cache_full_blocks(seq, n)
-            urgent_admitted = urgent_admitted or seq.urgency[0] < preemption.BATCH_RANK
+            if n > 1:
+                self.budget.spend(n, urgent)
+            urgent_admitted = urgent_admitted or urgent
         if not urgent_admitted:
             self._schedule_running(later, plan, limit)  # less urgent prefills take what budget the waiting left
+        if plan:
+            self.steps += 1
         return plan
 
     def _schedule_running(self, seqs: list[Sequence], plan: StepPlan, limit: float) -> None:
@@ -181,9 +212,16 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = int(min(seq.num_uncomputed_tokens, budget))
+            urgent = seq.urgency[0] < preemption.BATCH_RANK
+            if n > 1:  # prompt work (a recompute's too) is sized to the step-time target
+                n = int(min(n, self.budget.allowance(urgent)))
+                if n <= 0:
+                    continue
             if self._reserve(seq, n, plan):
                 plan.num_tokens[seq] = n
                 self._cache_full_blocks(seq, n)
+                if n > 1:
+                    self.budget.spend(n, urgent)
 
     def _first_chunk(self, seq: Sequence, budget: float) -> tuple[list[int], int, int]:
         """(the cached blocks `seq` starts from, the tokens it computes first, the fresh blocks they need)."""
@@ -194,8 +232,8 @@ class Scheduler:
 
     def _preempt_for_urgency(self, plan: StepPlan) -> None:
         """Before anything is scheduled: preempt less urgent running sequences for the more urgent waiting ones
-        that no slot or KV block would admit this step, most urgent first, within `batcher.scheduler.preemption`'s
-        bounds."""
+        that no slot or KV block would admit this step, most urgent first, and a sequence of the most-served
+        tenant for an interactive one of a tenant holding no slot, within `batcher.scheduler.preemption`'s bounds."""
         if not self.running or not self.waiting:
             return
         slots = self.config.max_num_seqs - len(self.running)
@@ -207,17 +245,25 @@ class Scheduler:
             needed = new + sum(1 for b in shared if self.allocator.ref_count(b) == 0)
             while slots <= 0 or free_blocks < needed:
                 victim = preemption.victim_for(seq, self.running, self.batch_floor)
+                if victim is not None:
+                    self.urgency_preemptions[victim.service_class] = (
+                        self.urgency_preemptions.get(victim.service_class, 0) + 1)
+                elif seq.service_class == INTERACTIVE:
+                    victim = preemption.fairness_victim(seq.tenant, self.running, self.steps,
+                                                        self.config.max_num_seqs)
+                    if victim is not None:
+                        victim.fairness_preempted_at = self.steps
+                        self.fairness_preemptions += 1
                 if victim is None:
-                    return
+                    break
                 free_blocks += sum(1 for b in victim.block_table if self.allocator.ref_count(b) == 1)
                 free_blocks += growth.get(victim, 0)
                 self._preempt(victim)
                 plan.preempted.append(victim)
-                self.urgency_preemptions[victim.service_class] = (
-                    self.urgency_preemptions.get(victim.service_class, 0) + 1)
                 slots += 1
-            slots -= 1
-            free_blocks -= needed
+            else:
+                slots -= 1
+                free_blocks -= needed
 
     def _admit(self, seq: Sequence, shared: list[int], new: int) -> None:
         """Start `seq` from the cached blocks `shared` (their tokens computed) plus `new` fresh blocks."""

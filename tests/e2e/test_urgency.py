@@ -81,10 +81,12 @@ def sdk(base: str, key: str) -> OpenAI:
     return OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
 
 
-def create_batch(client: OpenAI, lines: int) -> str:
-    rows = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                        "body": {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": TOKENS,
-                                 "ignore_eos": True}}) for i in range(lines)]
+def create_batch(client: OpenAI, lines: int, bodies: list[dict] | None = None) -> str:
+    """A batch of `lines` completions: `bodies`, else this module's prompts in turn."""
+    bodies = bodies or [{"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": TOKENS,
+                         "ignore_eos": True} for i in range(lines)]
+    rows = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": body})
+            for i, body in enumerate(bodies)]
     uploaded = client.files.create(file=("lines.jsonl", "\n".join(rows).encode()), purpose="batch")
     return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h").id
 

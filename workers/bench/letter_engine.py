@@ -57,6 +57,10 @@ class LetterEngine:
         return 0  # no preemption: it takes only what its slots hold
 
     @property
+    def fair_room(self) -> int:
+        return 0
+
+    @property
     def batch_deficit(self) -> int:
         return 0
 

@@ -73,6 +73,8 @@ class StepStats:
     num_prefill_tokens: int
     num_preempted: int
     duration_s: float
+    mix: str = ""  # the classes of work the step carried, most urgent first: "interactive+batch"
+    prompt_token_budget: int = 0  # prompt tokens the step could take: the step-time target's, else the full budget
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class EngineStats:
     dtype: str  # the dtype the model runs in, e.g. "bfloat16" (never "auto")
     last_step: StepStats | None
     urgency_preemptions: dict[str, int] = field(default_factory=dict)  # since the start, by the preempted's class
+    fairness_preemptions: int = 0  # since the start: interactive sequences that gave way to another tenant's
+    step_time_target_s: float = 0.0  # while urgent work is about (0: none)
+    recent_step_s: float = 0.0  # a moving average of the steps' measured wall time
 
 
 class LoadedModelInfo(Protocol):
@@ -117,6 +122,11 @@ class EngineProtocol(Protocol):
     @property
     def urgent_room(self) -> int:
         """How many priority or interactive requests could join beyond the free slots, each to preempt batch work."""
+
+    @property
+    def fair_room(self) -> int:
+        """How many interactive requests of a tenant holding no slot could join beyond the free slots, each to
+        preempt one sequence of the most-served tenant (0 or 1)."""
 
     @property
     def batch_deficit(self) -> int:

@@ -22,7 +22,7 @@ from batcher.scheduler import Scheduler, StepPlan
 from batcher.scheduler.blocks import BlockAllocator, blocks_needed
 from batcher.scheduler.sequence import Sequence, SequenceStatus
 from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
-from batcher.service_class import class_of, urgency_of
+from batcher.service_class import CLASSES, class_of, urgency_of
 from workers.engine.api import EngineStats, RequestError, RequestOutput, StepStats
 from workers.engine.choices import Choices
 from workers.engine.detokenize import IncrementalDetokenizer
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # One tiny request run before serving or timing keeps first-call costs (allocations, lazy init) out of both.
 WARMUP_REQUEST = GenerationRequest(prompt_token_ids=[100] * 16, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
 WARMUP_REQUEST_ID = "warmup"
+RECENT_STEP_WEIGHT = 0.1  # of the latest step in `recent_step_s`: a moving average over about ten steps
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Engine:
         self.choices = Choices()
         self.step_index = 0
         self.last_step: StepStats | None = None
+        self.recent_step_s = 0.0
         self._requests: dict[str, _Request] = {}
 
     # ----- the public API -----
@@ -104,6 +106,11 @@ class Engine:
         return self.scheduler.urgent_room
 
     @property
+    def fair_room(self) -> int:
+        """How many interactive requests of a tenant holding no slot could join beyond the free slots (0 or 1)."""
+        return self.scheduler.fair_room
+
+    @property
     def batch_deficit(self) -> int:
         """How many batch requests to take before any other: what batch work lacks of its minimum share."""
         return self.scheduler.batch_deficit
@@ -119,7 +126,9 @@ class Engine:
         return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            free_slots=scheduler.free_slots, kv_cache_usage=scheduler.allocator.usage,
                            prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
-                           last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions))
+                           last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions),
+                           fairness_preemptions=scheduler.fairness_preemptions,
+                           step_time_target_s=self.config.step_time_target, recent_step_s=self.recent_step_s)
 
     def warm_up(self) -> None:
         """Run one tiny request to the end, before serving or timing anything."""
@@ -153,13 +162,19 @@ class Engine:
             except Exception as exc:  # one request's post-processing must not take down the others
                 log.exception("request %s failed after sampling", seq.request_id)
                 outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
+        duration_s = time.perf_counter() - started
+        self.scheduler.record_step(computed, duration_s)
+        self.recent_step_s += RECENT_STEP_WEIGHT * (duration_s - self.recent_step_s)
+        budget = self.scheduler.budget.prompt_tokens
         self.last_step = StepStats(
             step=self.step_index,
             num_seqs=len(plan.num_tokens),
             num_tokens=plan.total_tokens,
             num_prefill_tokens=sum(n for n in plan.num_tokens.values() if n > 1),
             num_preempted=len(plan.preempted),
-            duration_s=time.perf_counter() - started,
+            duration_s=duration_s,
+            mix="+".join(c for c in CLASSES if any(s.service_class == c for s in plan.num_tokens)),
+            prompt_token_budget=int(min(budget, self.config.max_num_batched_tokens)),
         )
         self.step_index += 1
         outputs = self.choices.merge(outputs, self.abort)

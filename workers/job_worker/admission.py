@@ -4,7 +4,8 @@ tenants: `workers.job_worker.class_pick`) and start them.
 Each taken job moves into its queue's intermediate list, as RQ's reliable dequeue moves it, is fetched,
 started as its own RQ Execution under a lease (one transaction for all jobs taken together), decoded, checked
 against its deadline and its cancel flag, and handed to the engine. A job that cannot run ends at once with a
-readable reason. A busy worker rescans the queues at most every BUSY_RESCAN_S; an idle one blocks on Redis until
+readable reason. A busy worker rescans the queues at most every BUSY_RESCAN_S while its room stays the same (a
+slot that frees is filled on the next step); an idle one blocks on Redis until
 its first queue has work (without taking it), then picks.
 """
 
@@ -44,29 +45,34 @@ class Admission:
         self.queue_depths: dict[str, int] = {}  # queue lengths, as last read
         self.suspended = False  # `rq suspend` is on, as last read: nothing is admitted
         self.queues_empty = False
-        self._next_scan = 0.0  # time.monotonic() of the next scan while busy
+        self._next_scan = 0.0  # time.monotonic() of the next scan while busy, unless the engine's room changes
+        self._room_scanned: tuple[int, int, int] | None = None  # (free, urgent, fair) room at the last scan
 
     def admit(self, block: bool) -> list[InFlight]:
         """Take the most urgent jobs the engine has room for (its free slots, and room it would make by preempting
         less urgent work: `workers.job_worker.class_pick`), waiting up to IDLE_WAIT_S for one if `block`; start them
         and return them: each is in the engine, or has already ended."""
-        free, extra = self.engine.free_slots, self.engine.urgent_room
-        if (free <= 0 and extra <= 0) or (self.engine.has_work() and time.monotonic() < self._next_scan):
+        room = (self.engine.free_slots, self.engine.urgent_room, self.engine.fair_room)
+        free, extra, fair = room
+        if free <= 0 and extra <= 0 and fair <= 0:
             return []
+        if self.engine.has_work() and time.monotonic() < self._next_scan and room == self._room_scanned:
+            return []  # a scan found nothing for this much room just now
         worker = self.worker
         with worker.connection.pipeline(transaction=False) as pipe:
             pipe.exists(WORKERS_SUSPENDED)
             self.classes.read_on(pipe)
             suspended, *registries = pipe.execute()
         self.classes.update(registries)
-        self._next_scan = time.monotonic() + BUSY_RESCAN_S
+        self._next_scan, self._room_scanned = time.monotonic() + BUSY_RESCAN_S, room
         self.suspended = bool(suspended)
         if self.suspended:  # `rq suspend`: admit nothing; the jobs in flight go on
             self.queues_empty = True
             if block:
                 self.jobs.wait(IDLE_WAIT_S)
             return []
-        self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit)
+        holding = frozenset(f.tenant for f in self.jobs)
+        self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit, fair, holding)
         self.queues_empty = not any(self.queue_depths.values())
         taken: list[Taken] = []
         for queue, ids in picked:

@@ -4,7 +4,11 @@
 - `batcher_class_time_to_first_token_seconds{service_class}`: from admission to the first token;
 All of them are observed when a job ends, from its result's timings and usage and the request it carried.
 - `batcher_tenant_tokens_total{service_class, tenant, kind}`: prompt and generated tokens served, per tenant;
-- `batcher_urgency_preemptions_total{service_class}`: sequences of a class preempted for more urgent work.
+- `batcher_urgency_preemptions_total{service_class}`: sequences of a class preempted for more urgent work;
+- `batcher_fairness_preemptions_total`: interactive sequences preempted for another tenant's (apart from those);
+- `batcher_step_seconds{mix}`: each step's wall time, by the classes of work it carried ("interactive+batch");
+- `batcher_step_prompt_token_budget`: the prompt tokens the last step could take: the step-time target's while
+  urgent work is about (batcher/scheduler/step_budget.py), else the full token budget.
 Tenants are labels only for the first MAX_TENANT_LABELS a worker sees; the rest count as `other`, so a pool
 with thousands of keys keeps a bounded number of series.
 """
@@ -13,11 +17,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from batcher.service_class import CLASSES, class_of
-from workers.job_worker.engine_metrics import FIRST_TOKEN_BUCKETS, MODEL_LABEL, REQUEST_LATENCY_BUCKETS
+from workers.job_worker.engine_metrics import (
+    FIRST_TOKEN_BUCKETS,
+    MODEL_LABEL,
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+)
 
 if TYPE_CHECKING:
     from workers.engine.api import EngineProtocol
@@ -35,10 +44,15 @@ class _UrgencyPreemptions:
     def collect(self):
         family = CounterMetricFamily("batcher_urgency_preemptions", "Sequences preempted for more urgent work, by "
                                      "the class of the preempted sequence.", labels=[MODEL_LABEL, "service_class"])
-        counts = self._engine.stats().urgency_preemptions
+        stats = self._engine.stats()
         for service_class in CLASSES:
-            family.add_metric([self._engine.loaded.name, service_class], counts.get(service_class, 0))
+            family.add_metric([self._engine.loaded.name, service_class],
+                              stats.urgency_preemptions.get(service_class, 0))
         yield family
+        fairness = CounterMetricFamily("batcher_fairness_preemptions", "Interactive sequences preempted so that "
+                                       "another tenant's waiting request gets a slot.", labels=[MODEL_LABEL])
+        fairness.add_metric([self._engine.loaded.name], stats.fairness_preemptions)
+        yield fairness
 
 
 class ClassMetrics:
@@ -55,6 +69,14 @@ class ClassMetrics:
                                "first token, by service class.", labels, buckets=FIRST_TOKEN_BUCKETS, registry=registry)
         self._tokens = Counter("batcher_tenant_tokens", "Tokens served, by class, tenant and kind (prompt, "
                                "generated).", [*labels, "tenant", "kind"], registry=registry)
+        self._step_seconds = Histogram("batcher_step_seconds", "Wall time of one engine step, by the classes of "
+                                       "work it carried.", [MODEL_LABEL, "mix"], buckets=TOKEN_LATENCY_BUCKETS,
+                                       registry=registry)
+        self._budget = Gauge("batcher_step_prompt_token_budget", "Prompt tokens the last step could take: the "
+                             "step-time target's while urgent work is about, else the full budget.", [MODEL_LABEL],
+                             registry=registry).labels(self._model)
+        self._engine = engine
+        self._last_step_seen: int | None = None
         registry.register(_UrgencyPreemptions(engine))
 
     def tenant_label(self, tenant: str | None) -> str:
@@ -77,8 +99,16 @@ class ClassMetrics:
         self._tokens.labels(self._model, service_class, tenant, "prompt").inc(usage.prompt_tokens)
         self._tokens.labels(self._model, service_class, tenant, "generated").inc(usage.completion_tokens)
 
+    def observe_step(self) -> None:
+        step = self._engine.stats().last_step
+        if step is not None and step.step != self._last_step_seen and step.mix:
+            self._last_step_seen = step.step
+            self._step_seconds.labels(self._model, step.mix).observe(step.duration_s)
+            self._budget.set(step.prompt_token_budget)
+
     def worker_hooks(self) -> dict:
-        return {"on_job_end": lambda worker, end: self.observe_end(end)}
+        return {"on_job_end": lambda worker, end: self.observe_end(end),
+                "on_step": lambda worker, outputs: self.observe_step()}
 
 
 def combined_hooks(*hook_sets: dict) -> dict:

@@ -10,7 +10,10 @@ script) then takes, atomically across workers:
   batch, each by level, and each job from the tenant with the least service (VTC);
 - up to the engine's free slots, and for priority and interactive work up to `urgent_room` more: the engine
   takes them into its waiting queue and preempts as many running batch sequences (bounded by the batch
-  work above its minimum share). How many batch lines are queued never delays an interactive job.
+  work above its minimum share). How many batch lines are queued never delays an interactive job;
+- then up to the engine's `fair_room` interactive jobs of tenants that hold no slot of the worker: the engine
+  preempts one sequence of the most-served tenant for each, so that one tenant's wave of chat requests never
+  holds every slot while another tenant waits.
 """
 
 from __future__ import annotations
@@ -62,12 +65,14 @@ class ClassAdmission:
         self._known.update(new)
         self._refresh(worker.queues)
 
-    def pick(self, free: int, extra: int, batch_first: int
+    def pick(self, free: int, extra: int, batch_first: int, fair_extra: int = 0, holding: frozenset[str] = frozenset()
              ) -> tuple[dict[str, int], list[tuple[object, list[tuple[str, str]]]]]:
         """({queue name: depth before}, [(queue, [(job id, tenant charged)])]): the jobs taken are in the queues'
-        intermediate lists, and each one's tenant was charged the pick's advance."""
+        intermediate lists, and each one's tenant was charged the pick's advance. `holding`: the tenant tokens
+        of the jobs in flight."""
         candidates = [c for c, _ in self._candidates]
-        lengths, taken = self._picker.pick(candidates, free, extra, batch_first)
+        lengths, taken = self._picker.pick(candidates, free, extra, batch_first, fair_extra=fair_extra,
+                                           holding=holding)
         depths = {queue.name: n for (_, queue), n in zip(self._candidates, lengths)}
         by_queue: dict[int, list[tuple[str, str]]] = defaultdict(list)
         for index, job_id, tenant in taken:
@@ -89,7 +94,7 @@ class ClassAdmission:
             candidate = Candidate(queue.key, taken_list_key(queue), keys.fairness_key(base, parsed.service_class),
                                   keys.job_tenants_key(base), keys.due_key(queue.name),
                                   keys.waiting_tenants_key(queue.name), group, batch,
-                                  parsed.tenant or tenant_token(None))
+                                  parsed.tenant or tenant_token(None), parsed.service_class == INTERACTIVE)
             rows.append((candidate, queue))
         self._candidates = sorted(rows, key=lambda row: (row[0].group,
                                                          self.routed.index(parse_queue(row[1].name).routed)))

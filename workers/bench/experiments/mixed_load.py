@@ -12,6 +12,10 @@ Runs a redis-server of its own, one `batcher serve` with two API keys (tenants A
   idle p50 + 0.5 s, max within idle max + 1.5 s);
 - two tenants: while A's batch runs, tenant B creates a --small-lines batch; how many of A's lines complete
   from B's creation to B's completion (target: at most 80 at 600 and 10 lines);
+- burst (with --burst N): while A's --lines-line batch runs, N interactive streams at once, started together with
+  tenant B's --small-lines batch, --burst-rounds times, --burst-gap seconds apart (the first after the idle
+  measurement, with no interactive work in the worker for longer than the step budget's quiet period: the cold case);
+  their times to first token against idle (issue 34's target: p50 within idle + 0.5 s, max within idle + 1.5 s);
 - interactive flood (with --flood): tenant A sends --flood chat requests of --tokens tokens at once; once they
   are queued, tenant B's --requests interactive streams one at a time: their times to first token, and how many
   of A's requests were still to answer when B's last one ended (first come first served: none);
@@ -44,6 +48,7 @@ from redis import Redis
 
 from batcher.config import DTYPES
 from batcher.jobs import keys
+from batcher.scheduler.step_budget import QUIET_S
 from workers.bench.experiments.gateway_cost import _wait, stop_all
 from workers.bench.private_redis import free_port, start_redis_server
 from workers.bench.report import _cpu_name
@@ -67,9 +72,11 @@ def _env(src: Path | None, threads: int) -> dict:
     return env
 
 
-def _worker(redis_url: str, model: str, dtype: str, threads: int, log: Path, src: Path | None = None):
+def _worker(redis_url: str, model: str, dtype: str, threads: int, log: Path, src: Path | None = None,
+            step_time_target: float | None = None):
+    target = [] if step_time_target is None else ["--step-time-target", str(step_time_target)]
     return subprocess.Popen([sys.executable, "-m", "batcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
-                             "--model", model, "--dtype", dtype, "--device", "cpu", "--max-num-seqs", "32"],
+                             "--model", model, "--dtype", dtype, "--device", "cpu", "--max-num-seqs", "32", *target],
                             env=_env(src, threads), stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=src)
 
 
@@ -144,6 +151,29 @@ def bench_mixed(base: str, model: str, lines: int, tokens: int, small: int, requ
         "goals_met": {"ttft p50 <= idle p50 + 0.5 s": loaded_s["p50_s"] <= idle_s["p50_s"] + 0.5,
                       "ttft max <= idle max + 1.5 s": loaded_s["max_s"] <= idle_s["max_s"] + 1.5,
                       "A completes <= 80 lines while B's run": during <= 80}}
+
+
+def bench_burst(base: str, model: str, lines: int, tokens: int, small: int, requests: int, streams: int,
+                rounds: int, gap_s: float) -> dict:
+    a, b = _sdk(base, KEY_A), _sdk(base, KEY_B)
+    _ttft(b, model)  # warm up
+    idle = [_ttft(b, model) for _ in range(requests)]
+    large = _create(a, _lines(lines, tokens, model))
+    _wait(lambda: a.batches.retrieve(large).request_counts.completed >= 1, READY_S, "the batch to run")
+    time.sleep(QUIET_S + 1)  # the first burst finds no recent interactive work: the full budget runs (cold)
+    by_round = []
+    with ThreadPoolExecutor(streams) as pool:
+        for _ in range(rounds):
+            _create(b, _lines(small, tokens, model))
+            by_round.append([round(t, 3) for t in pool.map(lambda _: _ttft(b, model), range(streams))])
+            time.sleep(gap_s)
+    a.batches.cancel(large)
+    idle_s, warm = _summary(idle), _summary([t for r in by_round[1:] for t in r] or by_round[0])
+    every = _summary([t for r in by_round for t in r])
+    return {"streams": streams, "interactive_ttft_idle": idle_s, "ttft_by_round_s": by_round,
+            "first_round_cold": _summary(by_round[0]), "later_rounds_warm": warm, "all_rounds": every,
+            "goals_met": {"ttft p50 <= idle p50 + 0.5 s": every["p50_s"] <= idle_s["p50_s"] + 0.5,
+                          "ttft max <= idle max + 1.5 s": every["max_s"] <= idle_s["max_s"] + 1.5}}
 
 
 def bench_flood(base: str, redis_url: str, model: str, flood: int, tokens: int, requests: int) -> dict:
@@ -258,20 +288,24 @@ def bench_alone(redis_url: str, model: str, dtype: str, threads: int, lines: int
 
 
 def run(lines, tokens, small, requests, flood, steady_lines, steady_load, throughput_lines, baseline_src, rounds, model,
-        dtype, threads, keep_logs) -> dict:
+        dtype, threads, keep_logs, burst=0, burst_rounds=3, burst_gap=3.0, step_time_target=None) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="bench-urgency-"))
     processes: list[subprocess.Popen] = []
     try:
         redis_server, redis_url = start_redis_server(directory)
         processes.append(redis_server)
         report = {"cpu": _cpu_name(), "worker_threads": threads, "model": model, "dtype": dtype, "slots": 32,
-                  "tokens_per_line": tokens}
+                  "tokens_per_line": tokens, "step_time_target": step_time_target}
         if lines or flood or steady_lines:
             gateway, base = _gateway(redis_url, directory / "gateway.log")
-            worker = _worker(redis_url, model, dtype, threads, directory / "worker.log")
+            worker = _worker(redis_url, model, dtype, threads, directory / "worker.log",
+                             step_time_target=step_time_target)
             processes += [gateway, worker]
             _wait(lambda: model in [m.id for m in _sdk(base, KEY_A).models.list()], READY_S, "the worker")
-            if lines:
+            if lines and burst:
+                report["burst"] = bench_burst(base, model, lines, tokens, small, requests, burst, burst_rounds,
+                                              burst_gap)
+            elif lines:
                 report["mixed"] = bench_mixed(base, model, lines, tokens, small, requests)
             if flood:
                 report["interactive_flood"] = bench_flood(base, redis_url, model, flood, tokens, requests)
@@ -295,6 +329,12 @@ def run(lines, tokens, small, requests, flood, steady_lines, steady_load, throug
 @click.option("--small-lines", type=click.IntRange(1), default=10, show_default=True, help="Tenant B's batch.")
 @click.option("--requests", type=click.IntRange(1), default=10, show_default=True,
               help="Interactive streams, idle and loaded.")
+@click.option("--burst", type=click.IntRange(0), default=0, show_default=True,
+              help="Interactive streams at once behind --lines (0: the mixed part instead).")
+@click.option("--burst-rounds", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--burst-gap", type=click.FloatRange(0), default=3.0, show_default=True, help="Seconds between bursts.")
+@click.option("--step-time-target", type=click.FloatRange(0), default=None,
+              help="The worker's --step-time-target (default: its own default).")
 @click.option("--flood", type=click.IntRange(0), default=0, show_default=True,
               help="Tenant A's chat requests at once, ahead of tenant B's (0: skip).")
 @click.option("--steady-lines", type=click.IntRange(0), default=0, show_default=True,
@@ -311,11 +351,12 @@ def run(lines, tokens, small, requests, flood, steady_lines, steady_load, throug
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="The worker's torch threads.")
 @click.option("--keep-logs", is_flag=True)
-def main(lines, tokens, small_lines, requests, flood, steady_lines, steady_load, throughput_lines, baseline_src, rounds,
-         model, dtype, threads, keep_logs):
+def main(lines, tokens, small_lines, requests, burst, burst_rounds, burst_gap, step_time_target, flood, steady_lines,
+         steady_load, throughput_lines, baseline_src, rounds, model, dtype, threads, keep_logs):
     """Measure interactive TTFT behind a batch, two tenants' batches, and batch throughput; print JSON."""
     click.echo(json.dumps(run(lines, tokens, small_lines, requests, flood, steady_lines, steady_load, throughput_lines,
-                              baseline_src, rounds, model, dtype, threads, keep_logs), indent=1))
+                              baseline_src, rounds, model, dtype, threads, keep_logs, burst, burst_rounds, burst_gap,
+                              step_time_target), indent=1))
 
 
 if __name__ == "__main__":
