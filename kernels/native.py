@@ -1,4 +1,4 @@
-"""The CPU kernels of `kernels/csrc`, built on first use and cached.
+"""The CPU kernels of `kernels/csrc`, built ahead of time (`kernels.build`) and loaded without a compiler.
 
 Two builds, each for the CPUs whose instructions it uses. On a CPU with AVX-512 BF16 (`BF16`), they take
 the places of a bf16 step where torch's own kernels fall short:
@@ -10,75 +10,66 @@ the places of a bf16 step where torch's own kernels fall short:
 - prefill attention (`prefill`: on AMX tiles where the CPU has them, else on AVX-512 BF16), where torch's flash
   kernel spends most of its time outside the matmuls;
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
-  transformers' modules make 3 to 27 torch ops (`workers.fused_decoder`).
+  transformers' modules make 3 to 27 torch ops (`workers.model.fused_decoder`).
 On an AVX2 CPU without AVX-512 (`FP32`), where `dtype auto` picks fp32, `fp32_linear` takes a decode step's
 linears (up to 32 rows), which MKL reads at well below the memory's pace there; `paged_decode` and the layer
 ops but `silu_mul` run in fp32. Where AVX-512 exists, MKL's own AVX-512 kernels keep fp32: the AVX2 kernel was measured
 against MKL's AVX2 paths only. Either build writes a step's keys and values to the cache (`write_kv`), in any
 dtype.
 
-`load()` builds an extension with torch's C++ toolchain (about 25 s, once per machine and torch version,
-cached under `~/.cache/torch_extensions`) and returns None, with the reason logged once, where it cannot:
-no compiler, a CPU without its instructions, a build error. The callers then keep torch's kernels, which stay
-the reference.
+What each build is made of (sources, CPU flags, compile flags) is defined in `kernels.build`, and named here too.
+`load()` imports a build made ahead of time and never compiles unless asked to. It looks for a build of these
+very sources (and headers and flags) for this torch and Python (`kernels.build`: the folder is keyed by their
+digest): first in the package (`kernels/_prebuilt/`, what a wheel or the image carries), then in the cache
+(`$BATCHER_KERNELS_DIR`, else `~/.cache/batcher-kernels`). Where none exists it returns None and logs once, as a
+warning, that the kernels are not built, how to build them and about how long that takes: torch's kernels, which
+stay the reference, run meanwhile, as they do on a CPU without the build's instructions. A process started with
+`BATCHER_BUILD_KERNELS=1`, or from an install that asks for it (`kernels.build.BUILD_AT_START`), builds the
+missing one into the cache at its first `load()` instead, after a log line saying so and how long it takes
+(`BATCHER_BUILD_KERNELS=0` says no). A build whose process died is noticed and cleared by the next process that looks
+(`kernels.build`: an flock the kernel frees, and a bounded, logged wait for a live one).
 
-`python -m kernels.native` builds what this CPU can run ahead of time (`make setup` does), so no worker pays
-the build.
+How each install gets its kernels:
+- `make setup` (a checkout): `python -m kernels.native` builds what this CPU runs into the cache, once per
+  source digest and torch (about 3 min on 2 cores for the bf16 build).
+- The Docker image: its build stage runs `python -m kernels.build`, which compiles both builds (bf16 and fp32)
+  into the installed package's `_prebuilt/`; the runtime stage, which has no compiler, carries them.
+- A wheel built where torch and a compiler are importable in the build environment (torch installed first, then
+  `pip install --no-build-isolation 'batcher[worker]'` or `pip wheel --no-build-isolation .`): setup.py runs the
+  same build, so the wheel (tagged for this Python and platform) carries both builds for that torch version.
+- A plain `pip install 'batcher[worker]'` or `pip wheel .` (build isolation: torch is not in the build
+  environment, and is not pulled into it) carries none, but asks for them (`BUILD_AT_START`): a worker builds them
+  into the cache at its start, before its first request, where a compiler exists (once per machine, digest and
+  torch), else runs torch's kernels with the reason logged. A wheel whose torch was since upgraded does the same.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
+import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kernels import build as builds
+from kernels.build import (  # noqa: F401  (what each build is made of; callers read them here)
+    BF16,
+    CSRC,
+    FP32,
+    FP32_LINEAR_MAX_ROWS,
+    LINEAR_MAX_ROWS,
+    MAX_QUERY_HEADS_PER_KV_HEAD,
+    TILE_MAX_ROWS,
+    Build,
+)
+
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
 SUPPORTED_HEAD_DIMS = (64, 128)  # of every attention kernel
-# Limits the C++ shares (kernels/csrc/common.h), passed as compile flags so the two cannot disagree.
-LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
-TILE_MAX_ROWS = 32  # rows of x that tile_linear takes (two AMX tiles of 16)
 TILE_COLUMNS = 16  # output columns of a block of tile_pack's layout (the blocks of a weight lie in order)
-MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
-FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides the bf16 build's flags
-
-
-@dataclass(frozen=True, eq=False)  # compared and hashed by identity: `load(build)` runs in every kernel call
-class Build:
-    """One extension: its sources (headers included, for the digest), the CPU flags its instructions need, the
-    flags that rule it out (a CPU where torch's kernels serve better), and its compiler flags."""
-
-    label: str  # in the logs: "bf16 CPU kernels"
-    name: str
-    sources: tuple[str, ...]
-    headers: tuple[str, ...]
-    cpu_flags: tuple[str, ...]
-    excluded_by: tuple[str, ...]
-    compile_flags: tuple[str, ...]
-
-
-BF16 = Build("bf16", "batcher_cpu_kernels",
-             ("cpu_kernels.cpp", "amx_linear.cpp", "avx512_linear.cpp", "amx_prefill.cpp", "avx512_prefill.cpp",
-              "layer_ops.cpp", "kv_write.cpp"),
-             ("common.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
-             ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
-             ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-              f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DTILE_MAX_ROWS={TILE_MAX_ROWS}",
-              f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
-FP32 = Build("fp32", "batcher_fp32_kernels",
-             ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),
-             ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"), ("avx512f",),
-             # no FMA contraction: the layer ops round each product as torch's ops do (the kernels' FMAs are
-             # written out)
-             ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
-              f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 
 
 class Unavailable(Exception):
@@ -99,39 +90,31 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def _build(build: Build):
+def _load(build: Build):
     missing = [flag for flag in build.cpu_flags if flag not in cpu_flags()]
     if missing:
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
     present = [flag for flag in build.excluded_by if flag in cpu_flags()]
     if present:
         raise NotWanted(f"this CPU has {', '.join(present)}, where torch's kernels serve")
-    from torch.utils.cpp_extension import load
-
     try:
-        return load(build.name, [str(CSRC / source) for source in build.sources],
-                    extra_cflags=[*build.compile_flags, _source_digest(build)], verbose=False)
-    except Exception as error:  # a missing compiler or ninja, a failed build: torch's kernels serve instead
-        raise Unavailable(f"building kernels/csrc failed: {error}") from error
-
-
-def _source_digest(build: Build) -> str:
-    """A flag naming the sources' contents, headers included: torch rebuilds when its flags change, but it
-    hashes only the .cpp files it is given."""
-    digest = hashlib.sha256(b"".join((CSRC / name).read_bytes() for name in (*build.sources, *build.headers)))
-    return f"-DBATCHER_KERNELS_SOURCE={digest.hexdigest()[:16]}"
+        return builds.load(build, build_missing=builds.build_requested())
+    except builds.NotReady as reason:  # not built, a failed build: torch's kernels serve instead
+        raise Unavailable(str(reason)) from reason
 
 
 @functools.cache
 def _status(build: Build):
-    """(the built extension, None) or (None, why it cannot run here); built and logged once."""
+    """(the built extension, None) or (None, why it cannot run here); looked up (or built, where asked) and logged
+    once."""
     try:
-        module = _build(build)
+        module = _load(build)
     except Unavailable as reason:
         log.log(logging.INFO if isinstance(reason, NotWanted) else logging.WARNING,
                 "%s CPU kernels unavailable (%s): torch's kernels run instead", build.label, reason)
         return None, str(reason)
-    log.info("%s CPU kernels loaded%s", build.label, " (with AMX)" if build is BF16 and module.amx_permitted() else "")
+    log.info("%s CPU kernels loaded%s from %s", build.label,
+             " (with AMX)" if build is BF16 and module.amx_permitted() else "", module.__file__)
     return module, None
 
 
@@ -256,8 +239,17 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return load(FP32).fp32_linear(x, weight, bias)
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def main() -> int:
+    """`python -m kernels.native`: build (into the cache) and load what this CPU runs, where missing."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ[builds.BUILD_ENV] = "1"  # this process is asked to build
     for build in (BF16, FP32):
-        print(f"{build.label} CPU kernels:", "ready" if load(build) is not None else "unavailable (torch's kernels will run)")
-    sys.exit(0)
+        state = "ready" if load(build) is not None else f"unavailable: {unavailable_reason(build)}"
+        print(f"{build.label} CPU kernels:", state, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from kernels import native  # the module the workers import, not this __main__ copy
+
+    sys.exit(native.main())
