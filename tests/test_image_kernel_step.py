@@ -54,6 +54,8 @@ def fresh_venv_with_the_image_install(tmp_path) -> tuple[Path, Path]:
     assert wheel.name.endswith("-py3-none-any.whl")  # no kernels inside: a pure wheel
     with zipfile.ZipFile(wheel) as contents:  # but its workers are asked to build them at their start
         assert f"kernels/_prebuilt/{builds.BUILD_AT_START}" in contents.namelist()
+        assert not [n for n in contents.namelist() if "/experiments/" in n], "development experiments left out"
+        assert "workers/bench/run.py" in contents.namelist(), "`batcher bench` ships"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"

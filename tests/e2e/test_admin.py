@@ -89,12 +89,12 @@ def test_workers_table_lists_the_live_worker(worker):
     table = cli(url, "workers").output
     assert name in table and "FREE_SLOTS" in table and "TOKENS_PER_S" in table and me["dtype"] in table
     assert "PREFIX_HITS" in table and me["prefix_cache_hit_rate"] == 0.0
-    assert me["step_time_target_s"] == 0.2 and me["step_s"] > 0, "the default target; the warm-up's steps measured"
+    assert me["step_time_target_s"] == 0.2 and me["step_s"] == 0.0, "the default target; no step run yet"
     assert "STEP_TARGET" in table and "200ms" in table
 
 
 def test_metrics_scraped_over_http_move_while_jobs_run(worker):
-    url, connection, _, port, _ = worker
+    url, connection, name, port, _ = worker
     before = scrape(port)
     client = Client(connection, queue=QUEUE)
     ids = client.submit_many([greedy(300, prompt_token_ids=[20 + i, 30, 40]) for i in range(6)])
@@ -117,6 +117,9 @@ def test_metrics_scraped_over_http_move_while_jobs_run(worker):
     assert sample(after, "batcher_time_to_first_token_seconds_count") > sample(
         before, "batcher_time_to_first_token_seconds_count")
     assert sample(after, "batcher_step_duration_seconds_count") > sample(before, "batcher_step_duration_seconds_count")
+    measured = wait_for(lambda: next(r["step_s"] for r in json.loads(cli(url, "workers", "--json").output)
+                                     if r["name"] == name) or None, 30, "the measured step time in `batcher workers`")
+    assert 0 < measured < 60
 
 
 def test_suspend_holds_new_jobs_and_resume_releases_them(worker):
