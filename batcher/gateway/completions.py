@@ -68,7 +68,7 @@ async def chat_completions(request: Request):
 async def _complete(request: Request, url: str):
     app = request.app
     body = await read_json(request, app.state.config.max_request_bytes)
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]  # null means the default
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
     include_usage = _include_usage(body.get("stream_options"), stream)
@@ -87,13 +87,16 @@ async def _complete(request: Request, url: str):
     return await _answer(request, job_id, url, created, tier)
 
 
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second is accepted and ignored: no padding is sent
+
+
 def _include_usage(options, stream: bool) -> bool:
     if options is None:
         return False
-    if not stream or not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ApiError(400, "stream_options is {\"include_usage\": true|false}, with stream: true",
-                       param="stream_options")
-    return bool(options.get("include_usage", False))
+    if not stream or not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS):
+        raise ApiError(400, "stream_options is {\"include_usage\": true|false, \"include_obfuscation\": "
+                       "true|false}, with stream: true", param="stream_options")
+    return bool(options.get("include_usage"))
 
 
 def served_models(client: Client) -> list[str]:

@@ -24,7 +24,14 @@ CHAT_URL = "/v1/chat/completions"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                    "repetition_penalty", "n")
 CONSTRAINT_FIELDS = ("response_format", "regex", "choice")  # regex and choice: vLLM's extras
-IGNORED_BODY_FIELDS = ("stream", "user")
+# Accepted and ignored, each for a reason: `stream` is the gateway's to read; `user`, `safety_identifier` and
+# `prompt_cache_key` are hints for OpenAI's own abuse checks and cache routing (batcher's prefix cache needs none);
+# `store: true` asks OpenAI to keep the completion for its dashboard, which batcher has no place for;
+# `parallel_tool_calls` means nothing without tools, which are refused; `reasoning_effort` tunes models that reason,
+# which batcher serves none of.
+IGNORED_BODY_FIELDS = ("stream", "user", "safety_identifier", "prompt_cache_key", "store", "parallel_tool_calls",
+                       "reasoning_effort")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> ours
 ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
 MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
 MAX_PROBLEM_CHARS = 200
@@ -91,6 +98,7 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     unknown = set(body) - known
     if unknown:
         raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    body = {k: v for k, v in body.items() if v is not None}  # null means the default, for every field
     request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
     if "max_completion_tokens" in body:  # the chat endpoint's newer name for max_tokens
         request["sampling"]["max_tokens"] = body["max_completion_tokens"]
@@ -107,7 +115,7 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
                             param="service_tier")
         request["service_class"] = SERVICE_TIERS[body["service_tier"]]
     if url == CHAT_URL:
-        request["messages"] = body.get("messages")
+        request["messages"] = chat_messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list):
@@ -119,6 +127,36 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     except ValidationError as exc:
         loc = exc.errors()[0]["loc"] if exc.errors() else ()
         raise BodyError(readable(exc), param=_body_param(loc)) from None
+
+
+def chat_messages(messages: Any) -> Any:
+    """OpenAI's messages in batcher's form: `developer` is the system role, and a `content` list of text parts is
+    their text, joined with newlines (as vLLM does). A part of another kind (an image, audio) is refused: the models
+    batcher serves read text only. Anything else passes through for the schema to judge."""
+    if not isinstance(messages, list):
+        return messages
+    converted = []
+    for i, message in enumerate(messages):
+        if isinstance(message, dict):
+            message = dict(message)
+            if message.get("role") in ROLES:
+                message["role"] = ROLES[message["role"]]
+            if isinstance(message.get("content"), list):
+                message["content"] = _text_of_parts(message["content"], i)
+            message.pop("name", None)  # a participant's name: no chat template of ours reads it
+        converted.append(message)
+    return converted
+
+
+def _text_of_parts(parts: list, index: int) -> str:
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BodyError(f"messages[{index}].content: only text parts are read (the model takes text); got a "
+                            f"part of type {kind!r}", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _body_param(loc: tuple) -> str | None:

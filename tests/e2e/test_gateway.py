@@ -149,6 +149,28 @@ def test_a_chat_stream_yields_the_text_of_the_jobs_result(gateway):
     assert answer.choices[0].text == Client(url, queue=QUEUE).result(answer.id.removeprefix("cmpl-")).text
 
 
+def test_the_sdks_modern_request_shapes_are_understood(gateway):
+    """What clients send today: the developer role, content as typed text parts, explicit nulls for defaults,
+    fields that mean nothing here (store, user...), and stream options beyond include_usage."""
+    base, url, _ = gateway
+    a = sdk(base, KEY_A)
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Answer briefly."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Tell me"},
+                                             {"type": "text", "text": "about queues"}]}]
+    common = dict(model=MODEL, messages=messages, max_tokens=6, stop=None, temperature=None, top_p=None, seed=None,
+                  store=False, user="someone", extra_body={"ignore_eos": True})
+    answer = a.chat.completions.create(**common)
+    assert answer.usage.completion_tokens == 6 and answer.choices[0].finish_reason == "length"
+    chunks = list(a.chat.completions.create(**common, stream=True, stream_options={"include_usage": True,
+                                                                                    "include_obfuscation": False}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6  # greedy: the same text as the answer above
+    with pytest.raises(openai.BadRequestError, match="only text parts") as refused:
+        a.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert refused.value.body["param"] == "messages"
+
+
 def test_cancelling_a_batch_stops_its_running_jobs(gateway):
     base, _, connection = gateway
     a = sdk(base, KEY_A)
