@@ -166,6 +166,7 @@ class Engine:
         self.scheduler.record_step(computed, duration_s)
         self.recent_step_s += RECENT_STEP_WEIGHT * (duration_s - self.recent_step_s)
         budget = self.scheduler.budget.prompt_tokens
+        classes = {s.service_class for s in plan.num_tokens}
         self.last_step = StepStats(
             step=self.step_index,
             num_seqs=len(plan.num_tokens),
@@ -173,7 +174,7 @@ class Engine:
             num_prefill_tokens=sum(n for n in plan.num_tokens.values() if n > 1),
             num_preempted=len(plan.preempted),
             duration_s=duration_s,
-            mix="+".join(c for c in CLASSES if any(s.service_class == c for s in plan.num_tokens)),
+            mix="+".join(c for c in CLASSES if c in classes),
             prompt_token_budget=int(min(budget, self.config.max_num_batched_tokens)),
         )
         self.step_index += 1

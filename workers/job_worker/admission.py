@@ -71,7 +71,7 @@ class Admission:
             if block:
                 self.jobs.wait(IDLE_WAIT_S)
             return []
-        holding = frozenset(f.tenant for f in self.jobs)
+        holding = frozenset(f.tenant for f in self.jobs) if fair > 0 else frozenset()  # read only for fair room
         self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit, fair, holding)
         self.queues_empty = not any(self.queue_depths.values())
         taken: list[Taken] = []
