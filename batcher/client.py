@@ -82,6 +82,8 @@ class JobInfo:
     started_at: datetime | None
     ended_at: datetime | None
     error: str | None
+    user: str | None = None  # the request's own, as OpenAI's `user`
+    metadata: dict | None = None  # the request's own (OpenAI's `metadata`), None when it has none
 
 
 def connect(redis_url: str | None = None) -> Redis:
@@ -189,6 +191,7 @@ class Client:
         if status in (JobStatus.FAILED, JobStatus.STOPPED):
             latest = job.latest_result()
             error = latest.exc_string if latest is not None else None
+        request = job_life.readable_request(job)
         return JobInfo(
             id=job.id,
             status=status.value,
@@ -199,6 +202,8 @@ class Client:
             started_at=job.started_at,
             ended_at=job.ended_at,
             error=error,
+            user=request.user if request is not None else None,
+            metadata=request.metadata or None if request is not None else None,
         )
 
     # ----- batches -----

@@ -12,6 +12,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from batcher import constraints
+from batcher.response_format import ResponseFormat
+from batcher.tools import definitions as tool_defs
+from batcher.tools.definitions import Tool, ToolCall, ToolChoice
 
 MAX_PROMPT_BYTES = 1 << 20
 MAX_PROMPT_TOKEN_IDS = 1 << 17
@@ -21,11 +24,14 @@ MAX_STOP_STRING_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_REQUEST_METADATA_ITEMS = 64  # a request's own metadata (a batch's, as OpenAI limits it: batches/batch_object.py)
 MAX_MODEL_NAME_CHARS = 256
+MAX_USER_CHARS = 256  # OpenAI's `user`: who the end user is, kept with the job
 MAX_CUSTOM_ID_CHARS = 512
 DEFAULT_MAX_TOKENS = 256
-MAX_SCHEMA_NAME_CHARS = 64
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no limit; a bound keeps one request from costing every step much
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: -100 bans a token, 100 makes it all but certain
+PENALTY_LIMIT = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's do
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
@@ -57,6 +63,15 @@ class SamplingParams(_Strict):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="report each token's logprob and this many most likely alternatives")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="answers to generate for the prompt, each with its own seed")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES,
+                                description="generate this many (at least n) and return the n whose tokens have the "
+                                            "highest mean logprob")
+    frequency_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT,
+                                     description="subtracted from a token's logit once per time it was generated")
+    presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT,
+                                    description="subtracted from a token's logit once if it was generated")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES,
+                                         description="token id -> added to its logit, from -100 to 100")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -71,14 +86,52 @@ class SamplingParams(_Strict):
                 raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases_bounded(cls, value: dict[int, float]) -> dict[int, float]:
+        for token, bias in value.items():
+            if not 0 <= token < 1 << 31:
+                raise ValueError(f"token id {token} is not a token id (ids are in [0, 2**31))")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"the bias of token {token} is {bias}; biases lie in [-100, 100]")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, value: int | None, info) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of ({value}) must be at least n ({n})")
+        return value
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def candidates(self) -> int:
+        """How many answers are generated: best_of when given, else n."""
+        return self.best_of or self.n
+
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """One turn. An assistant's turn may carry the tool calls it made (its content then may be None); a `tool`
+    turn answers one of them by `tool_call_id`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1, max_length=tool_defs.MAX_TOOL_CALLS_PER_MESSAGE)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=tool_defs.MAX_CALL_ID_CHARS)
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message carries the tool_call_id it answers, and only a tool message does")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class BatchItem(_Strict):
@@ -87,40 +140,6 @@ class BatchItem(_Strict):
     id: str
     index: int = Field(ge=0)
     custom_id: str | None = Field(None, max_length=MAX_CUSTOM_ID_CHARS)
-
-
-class JsonSchemaFormat(_Strict):
-    """OpenAI's `response_format.json_schema`. Answers always follow the schema: `strict` is accepted and
-    changes nothing (a schema the grammar library cannot honour exactly is refused instead)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
-
-    name: str = Field(min_length=1, max_length=MAX_SCHEMA_NAME_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = None
-    schema_: dict | None = Field(None, alias="schema", description="None: any JSON value")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    """OpenAI's `response_format`: free `text`, any JSON object (`json_object`), or JSON that follows a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given with type json_schema, and only then")
-        return self
-
-    def grammar(self) -> str | None:
-        """The llguidance grammar of the format (None for text); InvalidConstraint if it cannot be honoured."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return constraints.json_schema_grammar(constraints.ANY_JSON_OBJECT)
-        schema = self.json_schema.schema_
-        return constraints.json_schema_grammar({} if schema is None else schema)
 
 
 class GenerationRequest(_Strict):
@@ -148,6 +167,11 @@ class GenerationRequest(_Strict):
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, min_length=1, description="the whole answer matches this regex")
     choice: list[str] | None = Field(None, description="the whole answer is one of these strings")
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=tool_defs.MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description="None: auto with tools, none without (OpenAI's default)")
+    parallel_tool_calls: bool = True
+    user: str | None = Field(None, max_length=MAX_USER_CHARS, description="who the end user is (OpenAI's `user`)")
+    echo: bool = Field(False, description="the answer's text begins with the prompt (a text prompt only)")
 
     @field_validator("deadline")
     @classmethod
@@ -176,13 +200,58 @@ class GenerationRequest(_Strict):
             constraints.choice_grammar(value)
         return value
 
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_answer_calls(cls, value: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        called: set[str] = set()
+        for i, message in enumerate(value or ()):
+            called |= {call.id for call in message.tool_calls or ()}
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise ValueError(f"message {i} answers the tool call {message.tool_call_id!r}, which no earlier "
+                                 "assistant message made")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_unique(cls, value: list[Tool] | None) -> list[Tool] | None:
+        duplicate = tool_defs.duplicate_name(value) if value else None
+        if duplicate is not None:
+            raise ValueError(f"two tools are named {duplicate!r}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: ToolChoice | None, info) -> ToolChoice | None:
+        problem = tool_defs.choice_problem(info.data.get("tools"), value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may be tool calls (tools given, and tool_choice is not `none`)."""
+        return bool(self.tools) and tool_defs.effective_choice(self.tools, self.tool_choice) != "none"
+
     def grammar(self) -> str | None:
         """The llguidance grammar the answer must follow, or None when it is free text."""
+        if self.calls_tools:
+            from batcher.tools.grammar import tool_grammar
+
+            return tool_grammar(self.tools, tool_defs.effective_choice(self.tools, self.tool_choice),
+                                self.parallel_tool_calls, self._text_schema())
         if self.regex is not None:
             return constraints.regex_grammar(self.regex)
         if self.choice is not None:
             return constraints.choice_grammar(self.choice)
         return None if self.response_format is None else self.response_format.grammar()
+
+    def _text_schema(self) -> dict | None:
+        """The JSON schema a text answer follows, when response_format asks for JSON."""
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return constraints.ANY_JSON_OBJECT
+        return self.response_format.json_schema.schema_ or {}
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -199,7 +268,7 @@ class GenerationRequest(_Strict):
         if self.chat and self.prompt is None:
             raise ValueError("chat applies to a prompt only (messages are always chat)")
         size = len(self.prompt.encode("utf-8", "surrogatepass")) if self.prompt is not None else 0
-        size += sum(len(m.content.encode("utf-8", "surrogatepass")) for m in self.messages or ())
+        size += sum(len((m.content or "").encode("utf-8", "surrogatepass")) for m in self.messages or ())
         if size > MAX_PROMPT_BYTES:
             raise ValueError(f"the prompt is {size} bytes; the limit is {MAX_PROMPT_BYTES}")
         constrained = [n for n in ("regex", "choice") if getattr(self, n) is not None]
@@ -207,6 +276,14 @@ class GenerationRequest(_Strict):
             constrained.append("response_format")
         if len(constrained) > 1:
             raise ValueError(f"give at most one of response_format, regex or choice (got {', '.join(constrained)})")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go with messages (a chat request)")
+        if self.calls_tools and (self.regex is not None or self.choice is not None):
+            raise ValueError("tools cannot go with regex or choice: give tool_choice none, or drop them")
+        if self.calls_tools:
+            constrained.append("tools")
+        if self.echo and self.prompt is None:
+            raise ValueError("echo repeats a text prompt: give prompt, not messages or token ids")
         if constrained and self.sampling.ignore_eos:
             raise ValueError(f"ignore_eos cannot go with {constrained[0]}: a constrained answer ends with its grammar")
         return self
@@ -239,9 +316,9 @@ class TokenLogprob(_Tolerant):
     """One generated token's log-probability, and the most likely alternatives at its position.
 
     The distribution is the model's log-softmax at that position, over the tokens the request's grammar allows
-    (all of them without a constraint), before repetition penalty, temperature, top-k and top-p: what the
-    model thinks, not how the token was drawn. `token` is the token decoded alone (a token inside a multi-byte
-    character decodes to U+FFFD)."""
+    (all of them without a constraint), before logit_bias, the penalties, temperature, top-k and top-p: what the
+    model thinks, not how the token was drawn (a token a -100 bias bans may be listed). `token` is the token
+    decoded alone (a token inside a multi-byte character decodes to U+FFFD)."""
 
     token: str
     logprob: float
@@ -281,7 +358,9 @@ class StreamEvent(_Tolerant):
     """One event on a job's token stream (`batcher:stream:<job_id>`).
 
     `start` when a worker takes the job; `token` with the text delta, the new token ids and the
-    index of the first of them in the output; `done` with the finish reason and usage; `error` with
+    index of the first of them in the output (a choice's first token event, at index 0, also carries the
+    prompt's `usage`, its completion_tokens 0: what vLLM's `continuous_usage_stats` needs); `done` with the
+    finish reason and usage; `error` with
     the reason. A retried job writes `restart` first: readers drop the text of the lost attempt and
     keep only events of the restart's execution. Unknown fields are ignored, so older readers keep
     working when events grow.

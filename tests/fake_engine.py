@@ -8,9 +8,13 @@ exception inside one request's forward; a prompt of "too long" is refused by `ad
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from batcher.schema import GenerationRequest
 from workers.bench.letter_engine import FIRST_TOKEN, LetterEngine
-from workers.engine.api import RequestError, RequestOutput
+from workers.engine.api import EngineStats, RequestError, RequestOutput
+
+VOCAB_SIZE = 256  # what it publishes: its tokens are letters
 
 
 class FakeEngine(LetterEngine):
@@ -23,6 +27,9 @@ class FakeEngine(LetterEngine):
             raise RequestError("the prompt has 9999 tokens; this model's context is 512")
         super().add(request_id, request, arrival_time)
         self.added.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return replace(super().stats(), vocab_size=VOCAB_SIZE)
 
     def advance(self, request_id, req) -> RequestOutput:
         if "boom" in (req.request.prompt or ""):

@@ -48,5 +48,7 @@ def test_run_writes_results_in_order_and_survives_bad_lines(tiny_model_dir, tmp_
     assert "not valid JSON" in out[1]["error"]["message"] and out[1]["response"] is None
     assert "max_model_len" in out[2]["error"]["message"]
     assert out[3]["response"]["body"]["choices"][0]["token_ids"] == reference_tokens(model, [9, 10], 2)
-    assert len(out[4]["response"]["body"]["choices"][0]["token_ids"]) <= 3
+    chat = out[4]["response"]["body"]  # a chat line is answered as a chat completion
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 3
+    assert isinstance(chat["choices"][0]["message"]["content"], str)
     assert "4 succeeded, 2 failed" in result.output

@@ -3,13 +3,25 @@ client all refuse an invalid or unsupported schema, regex or choice list before 
 
 from __future__ import annotations
 
+import copy
 import json
 
+import llguidance
 import pytest
 from pydantic import ValidationError
 
 from batcher.client import Client
-from batcher.constraints import InvalidConstraint
+from batcher.constraints import (
+    INT_MAX,
+    INT_MIN,
+    JSON_OPTIONS,
+    NUMBER_DECIMALS,
+    NUMBER_DIGITS,
+    InvalidConstraint,
+    bounded_schema,
+    checked,
+    json_schema_grammar,
+)
 from batcher.openai.batch_lines import (
     CHAT_URL,
     BatchLineError,
@@ -127,3 +139,96 @@ def test_cli_submit_takes_a_json_schema_file_or_a_regex_and_refuses_a_bad_one(tm
     finally:
         release_database(connection)
 
+
+
+class ByteTokens:
+    """A tokenizer with one token per byte, and EOS: a grammar's language, token for byte."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+
+    def __call__(self, text):
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
+INT_TOO_LONG = [str(INT_MAX + 1), str(INT_MIN - 1), "1" * 20]
+LONGEST_NUMBERS = ["12345678901234567", "-1234567.0123456789", "12345678.012345678", "-0.0000000001", "0.5"]
+NUMBERS_TOO_LONG = ["123456789012345678", "1.23456789012345678", "0.00000000001", "1e5", "1.0E-300"]
+
+
+def accepts(grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(BYTES, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.try_consume_tokens(list(text.encode())) == len(text.encode()) and matcher.is_accepting()
+
+
+def test_an_integer_is_bounded_by_int64_and_keeps_its_own_tighter_bounds():
+    grammar = json_schema_grammar({"type": "integer"})
+    assert all(accepts(grammar, n) for n in (str(INT_MAX), str(INT_MIN), "0", "-7"))
+    assert not any(accepts(grammar, n) for n in INT_TOO_LONG)
+    assert INT_MAX == 2**63 - 1 and INT_MIN == -(2**63) + 1024  # llguidance cannot take -2**63 itself (its doc)
+    natural = json_schema_grammar({"type": "integer", "minimum": 0})
+    assert accepts(natural, str(INT_MAX)) and not accepts(natural, "-1") and not accepts(natural, str(INT_MAX + 1))
+    assert bounded_schema({"type": "integer", "minimum": 0})["maximum"] == INT_MAX
+    int64 = json_schema_grammar({"type": "integer", "minimum": -(2**63), "maximum": 2**64})  # looser: clamped
+    assert accepts(int64, str(INT_MIN)) and not accepts(int64, str(INT_MAX + 1))
+    small = json_schema_grammar({"type": "integer", "exclusiveMinimum": -3, "maximum": 5, "multipleOf": 2})
+    assert [n for n in range(-9, 9) if accepts(small, str(n))] == [-2, 0, 2, 4]
+
+
+def test_a_number_has_at_most_17_significant_digits_and_no_exponent():
+    assert (NUMBER_DIGITS, NUMBER_DECIMALS) == (17, 10)
+    grammar = json_schema_grammar({"type": "number"})
+    assert all(accepts(grammar, n) for n in LONGEST_NUMBERS)
+    assert not any(accepts(grammar, n) for n in NUMBERS_TOO_LONG)
+    unit = json_schema_grammar({"type": "number", "minimum": 0, "exclusiveMaximum": 1})
+    assert accepts(unit, "0.0123456789") and accepts(unit, "0")
+    assert not any(accepts(unit, n) for n in ("1", "-0.5", "0.01234567891"))
+    assert accepts(json_schema_grammar({"type": "number", "multipleOf": 0.5}), "-2.5")
+    assert not accepts(json_schema_grammar({"type": "number", "multipleOf": 0.5}), "2.25")
+
+
+@pytest.mark.parametrize("schema,template", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "additionalProperties": False}, '{"a":%s}'),
+    ({"type": "array", "items": {"type": "number"}, "maxItems": 1}, "[%s]"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, "[%s]"),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, "%s"),
+    ({"type": ["integer", "null"]}, "%s"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "%s"),
+    ({"allOf": [{"type": "integer"}, {"minimum": -5}]}, "%s"),
+    ({"$ref": "#/$defs/n", "$defs": {"n": {"type": "integer"}}}, "%s"),
+    ({"$ref": "#/definitions/n", "definitions": {"n": {"type": "number"}}}, "%s"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1}, '{"k":%s}'),
+    ({"type": "object", "properties": {"a": {"type": "string"}}}, '{"a":"x","b":[{"c":%s}]}'),
+    ({"type": "object"}, '{"b":%s}'),
+    ({}, "%s"),
+    ({"description": "any value"}, "[%s]"),
+])
+def test_nested_and_free_values_are_bounded_too(schema, template):
+    grammar = json_schema_grammar(schema)
+    assert accepts(grammar, template % "1234")
+    assert not accepts(grammar, template % ("9" * 20))
+
+
+def test_bounding_leaves_the_callers_schema_and_finite_keywords_alone():
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}, "x": {"type": "number"},
+                                               "e": {"enum": [1e300, "a"]}, "c": {"const": 10**18}},
+              "$defs": {"d": {"type": "integer"}}, "x-guidance": {"whitespace_flexible": False}}
+    before = copy.deepcopy(schema)
+    bounded = bounded_schema(schema)
+    assert schema == before and bounded is not schema
+    assert bounded["properties"]["e"] == {"enum": [1e300, "a"]} and bounded["properties"]["c"] == {"const": 10**18}
+    assert bounded["x-guidance"] == schema["x-guidance"] and "d" in bounded["$defs"]
+    assert accepts(json_schema_grammar({"const": 10**18}), str(10**18))
+    assert bounded_schema({"type": "string", "maxLength": 3}) == {"type": "string", "maxLength": 3}
+
+
+def test_a_bounded_schema_embedded_as_json_in_lark_keeps_its_bounds():
+    embedded = json.dumps({**bounded_schema({"type": "object", "properties": {"n": {"type": "integer"}},
+                                             "required": ["n"], "additionalProperties": False}),
+                           "x-guidance": JSON_OPTIONS})
+    grammar = checked(llguidance.LLMatcher.grammar_from_lark(f'start: "<call>" %json {embedded} "</call>"'), "lark")
+    assert accepts(grammar, f'<call>{{"n":{INT_MIN}}}</call>')
+    assert not accepts(grammar, f'<call>{{"n":{INT_MIN - 1}}}</call>')

@@ -244,8 +244,8 @@ def test_completions_are_answered_in_the_batch_lines_format(gateway, worker, fak
     assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == (expected_text(4), "length")
     chat = gateway.post("/v1/chat/completions", headers=A, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}).json()
-    assert (chat["object"], chat["choices"][0]["message"]) == ("chat.completion", {"role": "assistant",
-                                                                                   "content": expected_text(2)})
+    assert (chat["object"], chat["choices"][0]["message"]) == ("chat.completion", {
+        "role": "assistant", "content": expected_text(2), "refusal": None})
     assert chat["usage"]["completion_tokens"] == 2
 
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from batcher.openai.batch_lines import BatchLineError, parse_batch_line
+from batcher.openai.batch_lines import BatchLineError, BodyError, parse_batch_line, parse_body
 
 
 def line(body, url="/v1/completions", **extra):
@@ -43,10 +43,40 @@ def test_content_parts_and_the_developer_role_read_as_text_and_system():
 
 
 def test_fields_that_mean_nothing_here_are_accepted_and_ignored():
-    ignored = {"user": "u-1", "safety_identifier": "s", "prompt_cache_key": "k", "store": True,
-               "parallel_tool_calls": False, "reasoning_effort": "low"}
+    ignored = {"safety_identifier": "s", "prompt_cache_key": "k", "store": True, "reasoning_effort": "low",
+               "verbosity": "low", "prediction": {"type": "content", "content": "x"}, "modalities": ["text"]}
     _, req = parse_batch_line(line({"messages": [{"role": "user", "content": "x"}], **ignored}, url=CHAT))
     assert req == parse_batch_line(line({"messages": [{"role": "user", "content": "x"}]}, url=CHAT))[1]
+
+
+def test_openai_sampling_fields_metadata_and_user_are_kept_for_the_worker():
+    fields = {"frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"17": -100, "3": 2.5},
+              "metadata": {"team": "search"}, "user": "u-1"}
+    _, req = parse_batch_line(line({"messages": [{"role": "user", "content": "x"}], **fields}, url=CHAT))
+    s = req.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.logit_bias) == (0.5, -1.0, {17: -100.0, 3: 2.5})
+    assert (req.metadata, req.user) == ({"team": "search"}, "u-1")
+    _, completion = parse_batch_line(line({"prompt": "x", "echo": True, "best_of": 3, "n": 2}))
+    assert completion.echo and (completion.sampling.best_of, completion.sampling.n) == (3, 2)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"prompt": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"prompt": "x", "metadata": {"k": 1}}, "metadata"),
+    ({"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),  # a completions field
+])
+def test_fields_that_cannot_be_honoured_are_refused_naming_them(body, param):
+    with pytest.raises(BodyError) as refused:
+        parse_body(body, CHAT if "messages" in body else "/v1/completions")
+    assert refused.value.param == param, str(refused.value)
 
 
 def test_token_id_prompt_and_chat():
@@ -69,7 +99,8 @@ def test_token_id_prompt_and_chat():
     (line({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, url=CHAT),
      r"messages\[0\].content: only text parts are read .*'image_url'"),
     (line({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, url=CHAT), "only text parts"),
-    (line({"messages": [{"role": "tool", "content": "x"}]}, url=CHAT), "role"),
+    (line({"messages": [{"role": "tool", "content": "x"}]}, url=CHAT), "tool_call_id"),
+    (line({"messages": [{"role": "critic", "content": "x"}]}, url=CHAT), "role"),
 ])
 def test_bad_lines_give_readable_reasons(raw, reason):
     with pytest.raises(BatchLineError, match=reason):

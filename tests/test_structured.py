@@ -10,6 +10,7 @@ import time
 import jsonschema
 import pytest
 
+from batcher.constraints import INT_MAX, INT_MIN, NUMBER_DIGITS
 from batcher.schema import GenerationRequest, SamplingParams
 from tests.engine_helpers import engine_for, random_prompts, run_all
 from workers.engine import structured
@@ -103,6 +104,20 @@ def test_regex_choice_and_json_object_hold_and_a_cut_answer_ends_with_length(tin
     else:
         assert finals["object"].text.startswith("{")
     assert finals["cut"].finish_reason == "length" and len(finals["cut"].token_ids) == 3
+
+
+def test_unbounded_integers_and_numbers_end_where_a_greedy_model_would_write_digits_forever(tiny_model_dir):
+    """Without their bounds (batcher/constraints.py), greedy answers here run on in digits to max_tokens."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["population", "share"],
+              "properties": {"population": {"type": "integer"}, "share": {"type": "number"}}}
+    engine = engine_for(tiny_model_dir())
+    for i, prompt in enumerate(random_prompts(4, seed=7, min_len=4, max_len=20)):
+        engine.add(str(i), json_request(prompt, schema, max_tokens=200, temperature=0.0))
+    for out in run_all(engine).values():
+        assert_follows(out, schema)
+        population, share = re.fullmatch(r'\{"population":(.*),"share":(.*)\}', out.text).groups()
+        assert INT_MIN <= int(population) <= INT_MAX
+        assert len(share.replace("-", "").replace(".", "").lstrip("0")) <= NUMBER_DIGITS and "e" not in share.lower()
 
 
 def test_a_grammar_that_cannot_be_compiled_in_time_fails_its_request_alone(tiny_model_dir, monkeypatch):

@@ -25,6 +25,21 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# A template with tool support, in the Hermes/Qwen2.5 manner: the tools listed in the system turn, an assistant's
+# calls written in <tool_call> tags, and each result as a user turn in <tool_response> tags
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools></s>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and tools and loop.first %}"
+    "{% elif m['role'] == 'tool' %}<|user|><tool_response>\n{{ m['content'] }}\n</tool_response></s>"
+    "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}<|assistant|>{{ m['content'] }}"
+    "{% for c in m['tool_calls'] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}</s>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+LONG_CONTEXT = 4096  # positions of the tool models: a tool list and its fallback prompt take hundreds of tokens
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Continuous batching decides the batch again at every step.",
@@ -61,6 +76,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.train_from_iterator(CORPUS, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    chat_template=CHAT_TEMPLATE)
+
+
+def build_tool_model(path: Path, template: str = TOOLS_CHAT_TEMPLATE) -> Path:
+    """A tiny Llama with a long context and `template` (the tool-aware one, or the plain CHAT_TEMPLATE)."""
+    build_tiny_model("llama", path, max_position_embeddings=LONG_CONTEXT)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def build_tiny_model(family: str, path: Path, **config_overrides) -> Path:

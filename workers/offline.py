@@ -8,8 +8,15 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from batcher.openai.batch_lines import BatchLineError, error_line, parse_batch_line, response_line
-from batcher.schema import Timings
+from batcher.openai.batch_lines import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    BatchLineError,
+    error_line,
+    parse_batch_line,
+    response_line,
+)
+from batcher.schema import GenerationRequest, Timings
 from workers.engine.api import RequestError
 from workers.engine.engine import Engine
 
@@ -17,7 +24,7 @@ from workers.engine.engine import Engine
 def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] = lambda: None) -> list[dict]:
     """Run every non-blank line; return one output dict per line, in input order."""
     results: list[dict | None] = []
-    pending: dict[str, tuple[int, str | None]] = {}
+    pending: dict[str, tuple[int, str | None, GenerationRequest]] = {}
     for line in lines:
         if not line.strip():
             continue
@@ -26,7 +33,7 @@ def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] 
         try:
             custom_id, request = parse_batch_line(line)
             engine.add(f"line-{index}", request)
-            pending[f"line-{index}"] = (index, custom_id)
+            pending[f"line-{index}"] = (index, custom_id, request)
         except BatchLineError as exc:
             results[index] = error_line(exc.custom_id, str(exc))
             on_done()
@@ -38,11 +45,12 @@ def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] 
         for out in engine.step():
             if not out.finished:
                 continue
-            index, custom_id = pending.pop(out.request_id)
+            index, custom_id, request = pending.pop(out.request_id)
             if out.error:
                 results[index] = error_line(custom_id, out.error, code="generation_failed")
             else:
-                results[index] = response_line(custom_id, out.to_result(Timings(total_s=time.monotonic() - started),
-                                                                     model=engine.loaded.name))
+                endpoint = CHAT_URL if request.messages is not None else COMPLETIONS_URL
+                result = out.to_result(Timings(total_s=time.monotonic() - started), model=engine.loaded.name)
+                results[index] = response_line(custom_id, result, endpoint, request=request)
             on_done()
     return results

@@ -51,7 +51,7 @@ def record_outcome_on(pipe, *, job_id: str, queue: str, status: str, request: Ge
     if status == "finished":
         endpoint = CHAT_URL if request.messages is not None else COMPLETIONS_URL
         kind, line = "completed", OUTPUT_KIND + json.dumps(
-            response_line(item.custom_id, result, endpoint, request_id=job_id, created=int(now)))
+            response_line(item.custom_id, result, endpoint, request_id=job_id, created=int(now), request=request))
     else:
         message = reason or "stopped before it finished"
         kind, line = "failed", ERROR_KIND + json.dumps(

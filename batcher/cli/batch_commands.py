@@ -73,15 +73,6 @@ def wait_for(client, batch_id: str):
     return current
 
 
-def _metadata(pairs: tuple[str, ...]) -> dict[str, str] | None:
-    if not pairs:
-        return None
-    bad = [p for p in pairs if "=" not in p]
-    if bad:
-        raise click.BadParameter(f"give KEY=VALUE, got {bad[0]!r}", param_hint="--metadata")
-    return dict(p.split("=", 1) for p in pairs)
-
-
 @batch.command("create")
 @redis_url_option
 @queue_option
@@ -96,8 +87,8 @@ def _metadata(pairs: tuple[str, ...]) -> dict[str, str] | None:
 def create(redis_url, queue, batch_file, endpoint, window, metadata, priority, wait):
     """Create a batch from an OpenAI batch FILE (JSONL) and print its id."""
     client = options.make_client(redis_url, queue)
-    created = create_batch(client, batch_file, endpoint=endpoint, window=window, metadata=_metadata(metadata),
-                           priority=priority)
+    created = create_batch(client, batch_file, endpoint=endpoint, window=window,
+                           metadata=options.key_values(metadata, "--metadata"), priority=priority)
     click.echo(created.id)
     if wait and wait_for(client, created.id).status != "completed":
         sys.exit(1)

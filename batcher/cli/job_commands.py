@@ -33,9 +33,16 @@ SCHEMA_NAME = "answer"  # the json_schema name of `submit --json-schema` (OpenAI
 @click.option("--json-schema", "schema_file", type=click.File("rb"),
               help="For PROMPT: the answer is JSON that follows the JSON schema in this file.")
 @click.option("--regex", help="For PROMPT: the answer matches this regular expression.")
+@click.option("--frequency-penalty", type=click.FloatRange(-2, 2), help="For PROMPT: OpenAI's, over the answer.")
+@click.option("--presence-penalty", type=click.FloatRange(-2, 2), help="For PROMPT: OpenAI's, over the answer.")
+@click.option("--logit-bias", multiple=True, metavar="TOKEN_ID=BIAS", help="For PROMPT: add BIAS (-100 to 100) to "
+                                                                           "the token's logit. Repeat for more.")
+@click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="For PROMPT: kept with the job and shown by "
+                                                                     "`batcher status`. Repeat for more.")
+@click.option("--user", help="For PROMPT: who the end user is (OpenAI's `user`), shown by `batcher status`.")
 @replica_wait_options
 def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, temperature, priority, follow, schema_file,
-           regex):
+           regex, frequency_penalty, presence_penalty, logit_bias, metadata, user):
     """Enqueue PROMPT and print its job id, or create a batch of --file and print the batch id."""
     if (prompt is None) == (batch_file is None):
         raise click.UsageError("give either PROMPT or --file")
@@ -46,11 +53,16 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
         from batcher.openai.batch_lines import readable
         from batcher.schema import GenerationRequest
 
-        sampling = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
+        sampling = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
+                                      ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty))
+                    if v is not None}
+        sampling["logit_bias"] = options.key_values(logit_bias, "--logit-bias") or {}
         constraint = _constraint(schema_file, regex)
         try:
             request = GenerationRequest(prompt=prompt, chat=not raw, model=model, sampling=sampling,
-                                        priority=priority, **constraint)
+                                        priority=priority, user=user,
+                                        metadata=options.key_values(metadata, "--metadata") or {},
+                                        **constraint)
         except ValidationError as exc:
             raise click.UsageError(readable(exc)) from None
         job_id = client.submit(request)
@@ -58,9 +70,10 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
         if follow:
             sys.exit(_print_stream(client, job_id))
         return
-    if model is not None or raw or schema_file is not None or regex is not None:
-        raise click.UsageError("--model, --raw, --json-schema and --regex are for PROMPT; a batch file's lines "
-                               "carry their own")
+    per_prompt = (model, schema_file, regex, frequency_penalty, presence_penalty, user, max_tokens, temperature)
+    if raw or logit_bias or metadata or any(v is not None for v in per_prompt):
+        raise click.UsageError("the options marked `For PROMPT` are not for --file: a batch file's lines carry "
+                               "their own")
     created = batch_commands.create_batch(client, batch_file, priority=priority)
     click.echo(created.id)
     if follow:

@@ -107,3 +107,13 @@ def replica_wait_options(func):
         "--wait-replicas", default=durability.AUTO, show_default=True, envvar=durability.REPLICAS_ENV,
         help="Acknowledge an enqueue or a job's end once this many replicas hold it (WAIT); auto: 1 where the "
              "primary has replicas, 0 where it has none.")(wrapper)
+
+
+def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str] | None:
+    """Repeated KEY=VALUE options as a dict (None when none was given)."""
+    if not pairs:
+        return None
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise click.BadParameter(f"give KEY=VALUE, got {bad[0]!r}", param_hint=option)
+    return dict(p.split("=", 1) for p in pairs)

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import anyio
 from starlette.concurrency import run_in_threadpool
@@ -34,11 +35,14 @@ from batcher.gateway import job_streams
 from batcher.gateway.body import read_json
 from batcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError, error_body
 from batcher.jobs.admin import list_workers
+from batcher.jobs.worker_stats import WorkerStats
+from batcher.logit_bias import logit_bias_problem
 from batcher.openai.batch_lines import (
     CHAT_ID_PREFIX,
     CHAT_URL,
     COMPLETION_ID_PREFIX,
     COMPLETIONS_URL,
+    TOOL_CALLS_FINISH,
     BodyError,
     openai_finish_reason,
     parse_body,
@@ -49,6 +53,7 @@ from batcher.openai.logprob_objects import chat_logprobs, completion_logprobs
 from batcher.openai.service_tiers import TIER_OF_CLASS
 from batcher.schema import GenerationRequest, TokenLogprob, Usage
 from batcher.service_class import class_of
+from batcher.tools.calls import CallDelta, CallReader
 
 log = logging.getLogger(__name__)
 
@@ -71,49 +76,75 @@ async def _complete(request: Request, url: str):
     stream = False if body.get("stream") is None else body["stream"]  # null means the default
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
-    include_usage = _include_usage(body.get("stream_options"), stream)
+    usage_options = _usage_options(body.get("stream_options"), stream)
     try:
         generation = parse_body(body, url, extra_fields=("stream_options",))
     except BodyError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
+    if stream and (generation.sampling.best_of or 1) > generation.sampling.n:
+        raise ApiError(400, "best_of above n cannot be streamed: the best answers are known only at the end",
+                       param="best_of")
     if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
         generation = generation.model_copy(update={"tenant": request.state.tenant})
     tier = TIER_OF_CLASS[class_of(generation)]  # echoed, as OpenAI does
     model, job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
     created = int(time.time())
     if stream:
-        chunks = Chunks(url, job_id, created, model, include_usage, tier, generation.sampling.n)
+        chunks = Chunks(url, job_id, created, model, usage_options, tier, generation)
         return EventStreamResponse(_relay(request, job_id, chunks))
-    return await _answer(request, job_id, url, created, tier)
+    return await _answer(request, job_id, url, created, tier, generation)
 
 
-STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second is accepted and ignored: no padding is sent
+# include_obfuscation is accepted and ignored (no padding is sent); continuous_usage_stats is vLLM's: usage in every
+# chunk, which load generators such as guidellm read
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
 
-def _include_usage(options, stream: bool) -> bool:
+@dataclass(frozen=True)
+class UsageOptions:
+    final: bool = False  # a last chunk with the whole usage (include_usage)
+    continuous: bool = False  # every chunk with the usage so far (continuous_usage_stats)
+
+
+def _usage_options(options, stream: bool) -> UsageOptions:
     if options is None:
-        return False
-    if not stream or not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS):
-        raise ApiError(400, "stream_options is {\"include_usage\": true|false, \"include_obfuscation\": "
-                       "true|false}, with stream: true", param="stream_options")
-    return bool(options.get("include_usage"))
+        return UsageOptions()
+    if not stream or not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS) or any(
+            v is not None and not isinstance(v, bool) for v in options.values()):
+        raise ApiError(400, "stream_options takes include_usage, include_obfuscation and continuous_usage_stats, "
+                       "each true or false, with stream: true", param="stream_options")
+    continuous = bool(options.get("continuous_usage_stats"))
+    return UsageOptions(final=bool(options.get("include_usage")) or continuous, continuous=continuous)
+
+
+def _live_workers(client: Client) -> list[WorkerStats]:
+    return [w for w in list_workers(client.connection) if client.queue in w.queues.split(",")]
 
 
 def served_models(client: Client) -> list[str]:
     """The models that live workers of the client's queue serve."""
-    return sorted({w.model for w in list_workers(client.connection) if client.queue in w.queues.split(",")})
+    return sorted({w.model for w in _live_workers(client)})
 
 
 def _served_model(client: Client, request: GenerationRequest) -> str:
-    """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it."""
-    served = served_models(client)
+    """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it, and 400
+    if its logit_bias names a token outside that model's vocabulary (as its workers publish it)."""
+    live = _live_workers(client)
+    served = sorted({w.model for w in live})
     if request.model is None and served:
-        return served[0] if len(served) == 1 else ""
-    if request.model in served:
-        return request.model
-    offered = f"the models served now: {', '.join(served)}" if served else "no worker is serving any model now"
-    name = "any model" if request.model is None else f"the model `{request.model}`"
-    raise ApiError(404, f"No live worker serves {name} ({offered}).", param="model", code="model_not_found")
+        model = served[0] if len(served) == 1 else ""
+    elif request.model in served:
+        model = request.model
+    else:
+        offered = f"the models served now: {', '.join(served)}" if served else "no worker is serving any model now"
+        name = "any model" if request.model is None else f"the model `{request.model}`"
+        raise ApiError(404, f"No live worker serves {name} ({offered}).", param="model", code="model_not_found")
+    if request.sampling.logit_bias:
+        sizes = [w.vocab_size for w in live if w.model == model or not model]
+        problem = next(filter(None, (logit_bias_problem(request.sampling, size) for size in sizes)), None)
+        if problem is not None:
+            raise ApiError(400, problem, param="logit_bias")
+    return model
 
 
 def _enqueue(client: Client, request: GenerationRequest) -> tuple[str, str]:
@@ -156,7 +187,8 @@ async def _wait_for_end(request: Request, job_id: str):
     return end
 
 
-async def _answer(request: Request, job_id: str, url: str, created: int, tier: str) -> JSONResponse:
+async def _answer(request: Request, job_id: str, url: str, created: int, tier: str,
+                  generation: GenerationRequest) -> JSONResponse:
     app = request.app
     end = await _wait_for_end(request, job_id)
     if end is None:  # the client left; nobody reads this
@@ -169,33 +201,47 @@ async def _answer(request: Request, job_id: str, url: str, created: int, tier: s
         if exc.status == "failed":
             raise ApiError(400, exc.reason, code="generation_failed") from None
         raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
-    return JSONResponse(response_body(result, url, request_id=job_id, created=created, service_tier=tier))
+    return JSONResponse(response_body(result, url, request_id=job_id, created=created, service_tier=tier,
+                                      request=generation))
 
 
 # ----- streaming -----
 class Chunks:
-    """Server-sent events in OpenAI's chunk format (chat.completion.chunk, or text_completion)."""
+    """Server-sent events in OpenAI's chunk format (chat.completion.chunk, or text_completion). A chat answer to a
+    request with tools is read for calls (batcher/tools/calls.py) and sent as `tool_calls` deltas; a completion
+    that echoes its prompt sends the prompt first."""
 
-    def __init__(self, url: str, job_id: str, created: int, model: str, include_usage: bool, tier: str,
-                 n: int = 1) -> None:
+    def __init__(self, url: str, job_id: str, created: int, model: str, usage: UsageOptions, tier: str,
+                 request: GenerationRequest) -> None:
+        n = request.sampling.n
         self.chat = url == CHAT_URL
+        self.readers = [CallReader(job_id, i, request.calls_tools) for i in range(n)] if self.chat else None
+        self.echo = request.prompt if request.echo else None
         self.head = {"id": f"{CHAT_ID_PREFIX if self.chat else COMPLETION_ID_PREFIX}{job_id}",
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": model, "service_tier": tier}
-        self.include_usage = include_usage
+        self.usage_options = usage
+        self.include_usage = usage.final
         self.n = n
-        self._text_offset = [0] * n  # of each choice's next token, for completions' logprobs
+        self._text_offset = [len(self.echo or "")] * n  # of each choice's next token, for completions' logprobs
+        self.prompt_usage: Usage | None = None  # from the first token event (continuous usage)
+        self.completion_tokens = [0] * n  # of each choice, sent so far (continuous usage)
 
     def _event(self, choices: list[dict], **extra) -> bytes:
         chunk = {**self.head, "choices": choices, **extra}
+        if self.usage_options.continuous and self.prompt_usage is not None:
+            chunk.setdefault("usage", usage_body(self.prompt_usage.model_copy(
+                update={"completion_tokens": sum(self.completion_tokens)})))
         if self.include_usage:
             chunk.setdefault("usage", None)
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
     def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
-                logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict:
+                logprobs: list[TokenLogprob] | None = None, index: int = 0, calls: list[CallDelta] = ()) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
+            if calls:
+                delta["tool_calls"] = [call.to_dict() for call in calls]
             if role:
                 delta = {"role": "assistant", "content": ""}
             return {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
@@ -205,17 +251,37 @@ class Chunks:
         return {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
 
     def opening(self) -> bytes | None:
-        """The chat stream's first chunk names the role, as OpenAI's does; a completion stream has none."""
+        """The chat stream's first chunk names the role, as OpenAI's does; a completion stream has none, unless it
+        echoes its prompt."""
         if not self.chat:
-            return None
+            if self.echo is None:
+                return None
+            return self._event([self._choice(self.echo, None, index=i) for i in range(self.n)])
         return self._event([self._choice(None, None, role=True, index=i) for i in range(self.n)])
 
-    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> bytes:
-        return self._event([self._choice(delta, None, logprobs=logprobs, index=index)])
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> bytes | None:
+        """A chunk of new text (None while a chat answer's first characters may still open a tool call)."""
+        if self.readers is None:
+            return self._event([self._choice(delta, None, logprobs=logprobs, index=index)])
+        content, calls = self.readers[index].feed(delta)
+        if not content and not calls and not logprobs:
+            return None
+        return self._event([self._choice(content or None, None, logprobs=logprobs, index=index, calls=calls)])
 
-    def finish(self, reasons: list[str]) -> bytes:
-        """The last chunk of each choice, with its finish reason."""
-        return self._event([self._choice(None, openai_finish_reason(r), index=i) for i, r in enumerate(reasons)])
+    def finish(self, reasons: list[str]) -> list[bytes]:
+        """What a chat answer held back, then the last chunk of each choice with its finish reason (`tool_calls`
+        for an answer that made calls)."""
+        events, shaped = [], []
+        for i, reason in enumerate(reasons):
+            reason = openai_finish_reason(reason)
+            if self.readers is not None:
+                content, calls = self.readers[i].finish()
+                if content or calls:
+                    events.append(self._event([self._choice(content or None, None, index=i, calls=calls)]))
+                if self.readers[i].made_calls and reason == "stop":
+                    reason = TOOL_CALLS_FINISH
+            shaped.append(self._choice(None, reason, index=i))
+        return [*events, self._event(shaped)]
 
     def usage(self, usage: Usage | None) -> bytes:
         return self._event([], usage=None if usage is None else usage_body(usage))
@@ -244,10 +310,15 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
                 relay, logprobs = relays[event.choice], attempt_logprobs[event.choice]
                 sent = len(relay.token_ids)
                 delta = relay.delta(event)
+                if event.usage is not None:
+                    chunks.prompt_usage = event.usage
+                chunks.completion_tokens[event.choice] = len(relay.token_ids)
                 logprobs += event.logprobs or []
                 new_logprobs = logprobs[sent:len(relay.token_ids)] if event.logprobs is not None else None
                 if delta or new_logprobs:
-                    yield chunks.text(delta, new_logprobs, event.choice)
+                    chunk = chunks.text(delta, new_logprobs, event.choice)
+                    if chunk is not None:
+                        yield chunk
             elif event.type == "done":
                 for relay in relays:
                     relay.check_end()
@@ -255,7 +326,8 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
                 if event.finish_reason == "cancelled":
                     yield error_event(CANCELLED_MESSAGE, "cancelled", SERVER_ERROR)
                 else:
-                    yield chunks.finish(await _finish_reasons(app.state.client, job_id, event, chunks.n))
+                    for chunk in chunks.finish(await _finish_reasons(app.state.client, job_id, event, chunks.n)):
+                        yield chunk
                     if chunks.include_usage:
                         yield chunks.usage(event.usage)
             elif event.type == "error":

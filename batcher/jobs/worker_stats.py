@@ -33,6 +33,7 @@ class WorkerStats:
     in_flight_by_class: str = ""  # e.g. "interactive=2,batch=30" (batcher/service_class.py)
     step_time_target_s: float = 0.0  # while urgent work is about (batcher/scheduler/step_budget.py); 0: none
     step_s: float = 0.0  # the engine's recent step time, measured (a moving average)
+    vocab_size: int = 0  # its model's; the gateway refuses a logit_bias id past it (batcher/logit_bias.py); 0: unknown
 
     @property
     def heartbeat_age_s(self) -> float:

@@ -18,20 +18,36 @@ from batcher.openai.logprob_objects import LogprobsError, chat_logprobs, complet
 from batcher.openai.service_tiers import SERVICE_TIERS, TIER_OF_CLASS
 from batcher.schema import Choice, GenerationRequest, GenerationResult, Usage
 from batcher.service_class import BATCH
+from batcher.tools.calls import read_answer
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-                   "repetition_penalty", "n")
+                   "repetition_penalty", "n", "frequency_penalty", "presence_penalty", "logit_bias")
 CONSTRAINT_FIELDS = ("response_format", "regex", "choice")  # regex and choice: vLLM's extras
-# Accepted and ignored, each for a reason: `stream` is the gateway's to read; `user`, `safety_identifier` and
-# `prompt_cache_key` are hints for OpenAI's own abuse checks and cache routing (batcher's prefix cache needs none);
-# `store: true` asks OpenAI to keep the completion for its dashboard, which batcher has no place for;
-# `parallel_tool_calls` means nothing without tools, which are refused; `reasoning_effort` tunes models that reason,
-# which batcher serves none of.
-IGNORED_BODY_FIELDS = ("stream", "user", "safety_identifier", "prompt_cache_key", "store", "parallel_tool_calls",
-                       "reasoning_effort")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> ours
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # the chat endpoint's
+COMPLETION_FIELDS = ("echo", "best_of")  # the completions endpoint's
+# Accepted and ignored, each for a reason (docs/gateway.md lists every field's state): `stream` is the gateway's to
+# read; `safety_identifier` and `prompt_cache_key` are hints for OpenAI's own abuse checks and cache routing
+# (batcher's prefix cache needs none); `store` asks OpenAI to keep the completion for its dashboard, which batcher
+# has no place for; `reasoning_effort` and `verbosity` tune models that reason, which batcher serves none of;
+# `prediction` is a latency hint (predicted output), never needed for a correct answer.
+IGNORED_BODY_FIELDS = ("stream", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "store",
+                       "reasoning_effort", "verbosity", "prediction")
+# Refused with the reason: ignoring them would mislead (the answer would lack what was asked for)
+REFUSED_BODY_FIELDS = {
+    "audio": "audio output is not available: the models batcher serves write text",
+    "web_search_options": "web search is not available: batcher runs the model alone",
+    "suffix": "suffix (fill in the middle) is not available: the answer only continues the prompt",
+    "functions": "functions is deprecated: give tools instead",
+    "function_call": "function_call is deprecated: give tool_choice instead",
+}
+MAX_OPENAI_METADATA = 16  # OpenAI's limits on `metadata`: pairs, key and value lengths
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}  # OpenAI's -> ours
+DROPPED_MESSAGE_FIELDS = ("name", "annotations", "refusal", "audio")  # a participant's name, and what a client
+# copies back from an answer: no template of ours reads them
 ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
 MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
 MAX_PROBLEM_CHARS = 200
@@ -40,6 +56,7 @@ CHAT_ID_PREFIX = "chatcmpl-"
 # batcher's finish reasons that OpenAI names otherwise; `cancelled` never reaches a response (a cancelled
 # job's batch line is an error line, and the gateway answers it with an error)
 FINISH_REASONS = {"timeout": "length"}
+TOOL_CALLS_FINISH = "tool_calls"  # a chat answer that ended with complete tool calls
 
 
 def readable(exc: ValidationError) -> str:
@@ -92,14 +109,31 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     is not ours to honour is refused rather than silently ignored."""
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
-    logprob_fields = ("logprobs", "top_logprobs") if url == CHAT_URL else ("logprobs",)
-    known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *logprob_fields,
-             "prompt", "messages", "model", "max_completion_tokens", "service_tier"}
-    unknown = set(body) - known
+    chat = url == CHAT_URL
+    endpoint_fields = ("logprobs", "top_logprobs", "modalities", *TOOL_FIELDS) if chat else ("logprobs",
+                                                                                               *COMPLETION_FIELDS)
+    known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *endpoint_fields,
+             "prompt", "messages", "model", "max_completion_tokens", "service_tier", "metadata", "user"}
+    unknown = set(body) - known - REFUSED_BODY_FIELDS.keys()
     if unknown:
         raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
     body = {k: v for k, v in body.items() if v is not None}  # null means the default, for every field
+    if body.get("tools") == []:  # no tools, as some clients say it (vLLM reads it so too)
+        del body["tools"]
+    refused = sorted(set(body) & REFUSED_BODY_FIELDS.keys())
+    if refused:
+        raise BodyError(REFUSED_BODY_FIELDS[refused[0]], param=refused[0])
+    if chat and body.get("modalities", ["text"]) != ["text"]:
+        raise BodyError("modalities is [\"text\"]: the models batcher serves write text", param="modalities")
+    if body.get("echo") and "logprobs" in body:
+        raise BodyError("echo with logprobs would need the prompt's logprobs, which batcher does not compute",
+                        param="echo")
     request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
+    if "best_of" in body:
+        request["sampling"]["best_of"] = body["best_of"]
+    request.update({k: body[k] for k in (*TOOL_FIELDS, "echo", "user") if k in body})
+    if "metadata" in body:
+        request["metadata"] = openai_metadata(body["metadata"])
     if "max_completion_tokens" in body:  # the chat endpoint's newer name for max_tokens
         request["sampling"]["max_tokens"] = body["max_completion_tokens"]
     try:
@@ -129,21 +163,34 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         raise BodyError(readable(exc), param=_body_param(loc)) from None
 
 
+def openai_metadata(metadata: Any) -> Any:
+    """OpenAI's `metadata`: up to 16 string pairs, kept with the job (BodyError naming metadata otherwise)."""
+    if not isinstance(metadata, dict) or len(metadata) > MAX_OPENAI_METADATA or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_METADATA_KEY_CHARS
+            and len(v) <= MAX_METADATA_VALUE_CHARS for k, v in metadata.items()):
+        raise BodyError(f"metadata is an object of at most {MAX_OPENAI_METADATA} string pairs, keys of at most "
+                        f"{MAX_METADATA_KEY_CHARS} characters and values of at most {MAX_METADATA_VALUE_CHARS}",
+                        param="metadata")
+    return metadata
+
+
 def chat_messages(messages: Any) -> Any:
     """OpenAI's messages in batcher's form: `developer` is the system role, and a `content` list of text parts is
     their text, joined with newlines (as vLLM does). A part of another kind (an image, audio) is refused: the models
-    batcher serves read text only. Anything else passes through for the schema to judge."""
+    batcher serves read text only. Nulls, an empty `tool_calls` and the fields a client copies back from an answer
+    are dropped. Anything else passes through for the schema to judge."""
     if not isinstance(messages, list):
         return messages
     converted = []
     for i, message in enumerate(messages):
         if isinstance(message, dict):
-            message = dict(message)
+            message = {k: v for k, v in message.items() if v is not None and k not in DROPPED_MESSAGE_FIELDS}
             if message.get("role") in ROLES:
                 message["role"] = ROLES[message["role"]]
             if isinstance(message.get("content"), list):
                 message["content"] = _text_of_parts(message["content"], i)
-            message.pop("name", None)  # a participant's name: no chat template of ours reads it
+            if message.get("tool_calls") == []:
+                del message["tool_calls"]
         converted.append(message)
     return converted
 
@@ -193,21 +240,22 @@ def usage_body(usage: Usage) -> dict:
 
 
 def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, request_id: str | None = None,
-                  created: int | None = None, service_tier: str | None = None) -> dict:
+                  created: int | None = None, service_tier: str | None = None,
+                  request: GenerationRequest | None = None) -> dict:
     """The endpoint's OpenAI object (text_completion or chat.completion) for a result: the body of a batch
-    output line and the answer of the gateway's HTTP endpoints. `service_tier` is the tier it ran in.
+    output line and the answer of the gateway's HTTP endpoints. `service_tier` is the tier it ran in; `request`
+    (what the job carried) says whether the answer is read for tool calls, and whether it echoes the prompt.
 
     `token_ids` is our addition to a completion choice; OpenAI clients ignore unknown fields."""
     usage = usage_body(result.usage)
     choices = result.choices or [Choice(index=0, text=result.text, token_ids=result.token_ids,
                                         finish_reason=result.finish_reason, logprobs=result.logprobs)]
     if endpoint == CHAT_URL:
-        shaped = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                   "logprobs": chat_logprobs(c.logprobs), "finish_reason": openai_finish_reason(c.finish_reason)}
-                  for c in choices]
+        shaped = [_chat_choice(c, request_id or "", request is not None and request.calls_tools) for c in choices]
         body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
     else:
-        shaped = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+        echoed = request.prompt if request is not None and request.echo else ""
+        shaped = [{"index": c.index, "text": echoed + c.text, "token_ids": c.token_ids,
                    "logprobs": completion_logprobs(c.logprobs), "finish_reason": openai_finish_reason(c.finish_reason)}
                   for c in choices]
         body = {"id": f"{COMPLETION_ID_PREFIX}{request_id}", "object": "text_completion"}
@@ -217,11 +265,24 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
     return body
 
 
+def _chat_choice(choice: Choice, request_id: str, reads_calls: bool) -> dict:
+    """A chat choice: its text as content, or the tool calls it made (finish_reason `tool_calls`)."""
+    content, calls = read_answer(choice.text, request_id, choice.index, reads_calls)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    finish_reason = openai_finish_reason(choice.finish_reason)
+    if calls:
+        message["tool_calls"] = [call.to_dict() for call in calls]
+        finish_reason = TOOL_CALLS_FINISH if finish_reason == "stop" else finish_reason
+    return {"index": choice.index, "message": message, "logprobs": chat_logprobs(choice.logprobs),
+            "finish_reason": finish_reason}
+
+
 def response_line(custom_id: str | None, result: GenerationResult, endpoint: str = COMPLETIONS_URL,
-                  request_id: str | None = None, created: int | None = None) -> dict:
+                  request_id: str | None = None, created: int | None = None,
+                  request: GenerationRequest | None = None) -> dict:
     """A successful output line; its body is the endpoint's OpenAI object (`response_body`), run in the batch
     class (whatever tier the line asked for)."""
-    body = response_body(result, endpoint, request_id, created, TIER_OF_CLASS[BATCH])
+    body = response_body(result, endpoint, request_id, created, TIER_OF_CLASS[BATCH], request)
     line = {"custom_id": custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
     return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line

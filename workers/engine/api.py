@@ -35,6 +35,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # of token_ids
     choice: int = 0  # which of the request's n answers this is
     choices: list[Choice] | None = None  # every answer, on the last output of a request with n > 1
+    completion_tokens: int | None = None  # with best_of: every candidate's tokens; None: the answers' own
     # The request's times (time.monotonic()): added to the engine, its first token, its latest token.
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -44,11 +45,17 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def prompt_usage(self) -> Usage:
+        """The prompt's part of the usage (what a choice's first token event carries)."""
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=0, cached_tokens=self.num_cached_tokens)
+
     def to_result(self, timings: Timings | None = None, worker: str | None = None,
                   model: str | None = None) -> GenerationResult:
-        """The wire-format result of a request that finished (with n > 1, the top-level fields are choice 0's)."""
+        """The wire-format result of a request that finished (with n > 1, the top-level fields are choice 0's;
+        with best_of, usage counts every candidate's tokens)."""
         first = self.choices[0] if self.choices else self
-        completion_tokens = sum(len(c.token_ids) for c in self.choices) if self.choices else len(self.token_ids)
+        completion_tokens = (self.completion_tokens if self.completion_tokens is not None
+                             else sum(len(c.token_ids) for c in self.choices) if self.choices else len(self.token_ids))
         return GenerationResult(
             text=first.text,
             token_ids=first.token_ids,
@@ -92,6 +99,7 @@ class EngineStats:
     fairness_preemptions: int = 0  # since the start: interactive sequences that gave way to another tenant's
     step_time_target_s: float = 0.0  # while urgent work is about (0: none)
     recent_step_s: float = 0.0  # a moving average of the steps' measured wall time
+    vocab_size: int = 0  # the model's logits' width: what logit_bias ids must stay below (0: unknown)
 
 
 class LoadedModelInfo(Protocol):

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from batcher.config import EngineConfig
+from batcher.logit_bias import logit_bias_problem
 from batcher.scheduler import Scheduler, StepPlan
 from batcher.scheduler.blocks import BlockAllocator, blocks_needed
 from batcher.scheduler.sequence import Sequence, SequenceStatus
 from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from batcher.service_class import CLASSES, class_of, urgency_of
+from batcher.tools.prompt import chat_inputs, template_reads_tools
 from workers.engine.api import EngineStats, RequestError, RequestOutput, StepStats
 from workers.engine.choices import Choices
 from workers.engine.detokenize import IncrementalDetokenizer
@@ -75,7 +77,7 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         prompt_ids = self.tokenize(request)
         self._check_servable(prompt_ids, request)
-        sequences = self.choices.expand(request_id, request)  # one per choice (n)
+        sequences = self.choices.expand(request_id, request)  # one per choice (n) or candidate (best_of)
         for i, (sequence_id, _) in enumerate(sequences):
             try:
                 self.grammars.admit(sequence_id, request)
@@ -89,8 +91,9 @@ class Engine:
                            urgency=urgency_of(request), tenant=request.tenant)
             detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
             self._requests[sequence_id] = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
+            self.sampler.admit(seq)
             self.scheduler.add(seq)
-        self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences])
+        self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences], request.sampling)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -128,7 +131,8 @@ class Engine:
                            prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
                            last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions),
                            fairness_preemptions=scheduler.fairness_preemptions,
-                           step_time_target_s=self.config.step_time_target, recent_step_s=self.recent_step_s)
+                           step_time_target_s=self.config.step_time_target, recent_step_s=self.recent_step_s,
+                           vocab_size=self.loaded.vocab_size)
 
     def warm_up(self) -> None:
         """Run one tiny request to the end, before serving or timing anything."""
@@ -189,12 +193,17 @@ class Engine:
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if request.messages is not None and not has_template:
             raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
-        if request.messages is not None or (request.chat and has_template):
-            messages = ([m.model_dump() for m in request.messages] if request.messages is not None
-                        else [{"role": "user", "content": request.prompt}])
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        if request.messages is not None:
+            messages, tools = chat_inputs(request, template_reads_tools(tokenizer.chat_template))
+        elif request.chat and has_template:
+            messages, tools = [{"role": "user", "content": request.prompt}], None
+        else:
+            return list(tokenizer(request.prompt)["input_ids"])
+        try:
+            return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                       return_dict=True)["input_ids"])
-        return list(tokenizer(request.prompt)["input_ids"])
+        except Exception as exc:  # noqa: BLE001  (a template that raises on this conversation: jinja's own errors)
+            raise RequestError(f"model {self.loaded.name!r}'s chat template refused the messages: {exc}") from None
 
     def _check_servable(self, prompt_ids: list[int], request: GenerationRequest) -> None:
         if not prompt_ids:
@@ -205,6 +214,8 @@ class Engine:
         bad = next((t for t in prompt_ids if t >= self.loaded.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (size {self.loaded.vocab_size})")
+        if (problem := logit_bias_problem(request.sampling, self.loaded.vocab_size)) is not None:
+            raise RequestError(problem)
         longest = min(len(prompt_ids) + request.sampling.max_tokens, self.max_model_len)
         allocator = self.scheduler.allocator
         if blocks_needed(longest, allocator.block_size) > allocator.num_blocks:
@@ -240,8 +251,8 @@ class Engine:
     def _forward(self, plan: StepPlan) -> dict[Sequence, int]:
         self.grammars.begin(plan)
         logits, seqs = self.runner.execute(plan)
-        self.grammars.mask(logits, seqs)
-        captured = self.logprobs.capture(logits, seqs)
+        self.grammars.mask(logits, seqs)  # first: a bias or penalty added later leaves -inf at -inf
+        captured = self.logprobs.capture(logits, seqs)  # the model's own numbers, before the sampler's changes
         tokens = self.sampler.sample(logits, seqs)
         self.logprobs.record(captured, seqs, tokens)
         return dict(zip(seqs, tokens))

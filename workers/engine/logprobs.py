@@ -1,7 +1,8 @@
-"""Log-probabilities of sampled tokens, for requests that ask (`SamplingParams.logprobs`).
+"""Log-probabilities of sampled tokens, for requests that ask (`SamplingParams.logprobs`), and for the candidates
+of a best_of request, which are scored by them (workers/engine/choices.py asks with `logprobs=0` for those).
 
 `capture` runs between the grammar mask and the sampler: the log-softmax of the rows that asked, taken
-before repetition penalty, temperature, top-k and top-p touch the logits (batcher.schema.TokenLogprob says
+before logit_bias, the penalties, temperature, top-k and top-p touch the logits (batcher.schema.TokenLogprob says
 what the numbers mean). `record` then keeps, per request, the sampled token's logprob and the top
 alternatives until the engine takes the token (`pop`). A step where no sequence asked costs nothing.
 """

@@ -82,7 +82,8 @@ class StatsPublisher:
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
             prefix_cache_hit_rate=round(engine.prefix_cache.hit_rate, 4),
             in_flight_by_class=in_flight_by_class(worker.jobs.snapshot()),
-            step_time_target_s=engine.step_time_target_s, step_s=round(engine.recent_step_s, 4))
+            step_time_target_s=engine.step_time_target_s, step_s=round(engine.recent_step_s, 4),
+            vocab_size=engine.vocab_size)
 
     def remove(self) -> None:
         worker = self.worker

@@ -33,7 +33,7 @@ from batcher.jobs import keys
 from batcher.jobs.life import EndStatus, terminal_event
 from batcher.jobs.redis_text import as_text
 from batcher.jobs.stream import STREAM_MAXLEN, ttl_arg
-from batcher.schema import STREAM_FIELD, GenerationResult, StreamEvent, TokenLogprob
+from batcher.schema import STREAM_FIELD, GenerationResult, StreamEvent, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class _Attempt:
     # Everything generated so far, by choice, for a start over after a gap (text as its deltas: joined only then).
     text: dict[int, list[str]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
+    prompt_usage: Usage | None = None  # carried by each choice's first token event (StreamEvent.usage)
 
     def add(self, event: StreamEvent) -> None:
         self.events.append((f"{self.base_ms}-{self.next_seq}", event))
@@ -145,10 +146,14 @@ class StreamWriter:
         attempt.ttl = attempt.start_ttl = ttl_arg(ttl)
 
     def token(self, execution_id: str, text: str, token_ids: list[int], index: int,
-              logprobs: list[TokenLogprob] | None = None, choice: int = 0) -> None:
+              logprobs: list[TokenLogprob] | None = None, choice: int = 0, prompt_usage: Usage | None = None) -> None:
         """New tokens of one choice (and their logprobs, when asked); merged into the execution's last buffered
-        token event when that one was never sent and is of the same choice."""
+        token event when that one was never sent and is of the same choice. A choice's first tokens (`index` 0)
+        come with the prompt's usage, which their event carries."""
         attempt = self._attempts[execution_id]
+        usage = None
+        if index == 0 and prompt_usage is not None:
+            usage = attempt.prompt_usage = prompt_usage
         attempt.text.setdefault(choice, []).append(text)
         attempt.token_ids.setdefault(choice, []).extend(token_ids)
         if (len(attempt.events) > attempt.sealed and attempt.events[-1][1].type == "token"
@@ -159,11 +164,11 @@ class StreamWriter:
                 logprobs = last.logprobs + (logprobs or [])
             attempt.events.append((event_id, StreamEvent(
                 type="token", execution_id=attempt.execution_id, text=text, token_ids=token_ids, index=index,
-                logprobs=logprobs, choice=choice)))
+                logprobs=logprobs, choice=choice, usage=last.usage)))
             return
         # Validated construction: with pydantic 2 it is about 3x faster than model_construct here. No TTL change.
         attempt.add(StreamEvent(type="token", execution_id=attempt.execution_id, text=text,
-                                                token_ids=token_ids, index=index, logprobs=logprobs, choice=choice))
+                                token_ids=token_ids, index=index, logprobs=logprobs, choice=choice, usage=usage))
 
     def end(self, execution_id: str, status: EndStatus, result: GenerationResult | None, reason: str | None,
             ttl: int | None) -> None:
@@ -239,7 +244,7 @@ class StreamWriter:
         attempt.add(StreamEvent(type="start", execution_id=execution_id))
         for choice, token_ids in sorted(attempt.token_ids.items()):
             attempt.add(StreamEvent(type="token", execution_id=execution_id, text="".join(attempt.text[choice]),
-                                                    token_ids=list(token_ids), index=0, choice=choice))
+                                    token_ids=list(token_ids), index=0, choice=choice, usage=attempt.prompt_usage))
         for event in ends:
             attempt.add(event)
 

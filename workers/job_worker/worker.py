@@ -200,8 +200,9 @@ class JobWorker(BaseJobWorker):
             try:
                 self.tokens_generated += len(out.new_token_ids)
                 if out.new_token_ids or out.delta_text:
-                    self.streams.token(f.id, out.delta_text, out.new_token_ids,
-                                       len(out.token_ids) - len(out.new_token_ids), out.new_logprobs, out.choice)
+                    start = len(out.token_ids) - len(out.new_token_ids)
+                    self.streams.token(f.id, out.delta_text, out.new_token_ids, start, out.new_logprobs, out.choice,
+                                       None if start else out.prompt_usage())
                 if out.error is not None:
                     f.ended("failed", reason=f"generation failed: {out.error}")
                 elif out.finish_reason == "cancelled":
