@@ -199,6 +199,18 @@ def test_completions_echo_best_of_and_a_refused_suffix(server):
         assert refused.value.body["param"] == param
 
 
+class Country(BaseModel):
+    capital: Literal["Oslo", "Lima"]
+    population: int
+    area_km2: float
+
+
+def test_the_sdks_parse_finishes_on_unbounded_integers_and_numbers(server):
+    """A greedy model writing digits used to run to max_tokens, and `parse` raised LengthFinishReasonError."""
+    parsed = sdk(server[0]).chat.completions.parse(model=MODEL, messages=ASK, response_format=Country, max_tokens=120)
+    assert parsed.choices[0].finish_reason == "stop" and isinstance(parsed.choices[0].message.parsed, Country)
+
+
 # ----- langchain-openai -----
 class GetWeather(BaseModel):
     """The forecast for a city."""
