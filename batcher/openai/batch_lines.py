@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from batcher.constraints import InvalidConstraint
 from batcher.openai.logprob_objects import LogprobsError, chat_logprobs, completion_logprobs, requested
 from batcher.openai.service_tiers import SERVICE_TIERS, TIER_OF_CLASS
 from batcher.schema import Choice, GenerationRequest, GenerationResult, Usage
@@ -157,10 +158,16 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         else:
             request["prompt"] = prompt
     try:
-        return GenerationRequest.model_validate(request)
+        generation = GenerationRequest.model_validate(request)
     except ValidationError as exc:
         loc = exc.errors()[0]["loc"] if exc.errors() else ()
         raise BodyError(readable(exc), param=_body_param(loc)) from None
+    if generation.calls_tools:  # each tool's schema is checked alone; this checks the grammar of all of them
+        try:
+            generation.grammar()
+        except InvalidConstraint as exc:
+            raise BodyError(str(exc), param="tools") from None
+    return generation
 
 
 def openai_metadata(metadata: Any) -> Any:

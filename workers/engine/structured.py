@@ -146,10 +146,10 @@ class Grammars:
         try:
             compiled = future.result(timeout=COMPILE_TIMEOUT_S)
         except FutureTimeout:
-            raise RequestError(f"response_format: the grammar took more than {COMPILE_TIMEOUT_S:g} s to compile; "
-                               "simplify the schema") from None
+            raise RequestError(f"the answer's grammar (response_format, regex, choice or tools) took more than "
+                               f"{COMPILE_TIMEOUT_S:g} s to compile; simplify the schema") from None
         if compiled.is_error():
-            raise RequestError(f"response_format: the grammar cannot be compiled: {compiled.get_error()}")
+            raise RequestError(f"the answer's grammar cannot be compiled: {compiled.get_error()}")
         self._compiled[grammar] = compiled
         if len(self._compiled) > COMPILE_CACHE_SIZE:
             self._compiled.popitem(last=False)
