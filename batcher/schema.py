@@ -57,7 +57,7 @@ class SamplingParams(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1 << 20, description="0 turns top-k off")
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64, description="any int64 or uint64, as clients send")
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,

@@ -56,6 +56,8 @@ def test_openai_sampling_fields_metadata_and_user_are_kept_for_the_worker():
     s = req.sampling
     assert (s.frequency_penalty, s.presence_penalty, s.logit_bias) == (0.5, -1.0, {17: -100.0, 3: 2.5})
     assert (req.metadata, req.user) == ({"team": "search"}, "u-1")
+    for seed in (-(2**63), -1, 2**64 - 1):  # clients send any int64 (and some a uint64)
+        assert parse_batch_line(line({"prompt": "x", "seed": seed}))[1].sampling.seed == seed
     _, completion = parse_batch_line(line({"prompt": "x", "echo": True, "best_of": 3, "n": 2}))
     assert completion.echo and (completion.sampling.best_of, completion.sampling.n) == (3, 2)
 
