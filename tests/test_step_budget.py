@@ -100,12 +100,20 @@ def test_batch_prefill_keeps_its_floor_under_a_target_the_decodes_alone_exceed()
     assert plan.num_tokens[batch] == step_budget.BATCH_PROMPT_FLOOR
 
 
-def test_a_long_interactive_prompt_is_itself_chunked_to_the_target():
+def test_a_long_interactive_prompt_is_chunked_to_the_target_while_others_decode_and_alone_is_not():
     sched = trained(make(num_blocks=2000, max_num_seqs=8, max_num_batched_tokens=512, step_time_target=TARGET_S))
-    long = tenant_seq("i0", "x", prompt_len=1000)
+    alone = tenant_seq("i0", "x", prompt_len=1000)
+    sched.add(alone)
+    assert step_at(sched, 0.0).num_tokens[alone] == 512  # chunking it would only delay its own first token
+    sched = trained(make(num_blocks=2000, max_num_seqs=8, max_num_batched_tokens=512, step_time_target=TARGET_S))
+    decoding = tenant_seq("i1", "y", max_tokens=50)
+    sched.add(decoding)
+    step_at(sched, 0.0)
+    long = tenant_seq("i2", "x", prompt_len=1000)
     sched.add(long)
-    plan = step_at(sched, 0.0)
-    assert abs(plan.num_tokens[long] - int((TARGET_S - BASE_S) / PROMPT_TOKEN_S)) <= 1  # the fit is not exact
+    plan = step_at(sched, 0.01)
+    expected = int((TARGET_S - BASE_S - DECODE_ROW_S) / PROMPT_TOKEN_S)
+    assert plan.num_tokens[decoding] == 1 and abs(plan.num_tokens[long] - expected) <= 1  # the fit is not exact
 
 
 @pytest.mark.parametrize("why", ["no target", "no measured step yet"])

@@ -9,7 +9,9 @@ the first urgent request after a quiet period may then wait for one full step.
 Floors keep work moving under any target: batch prompt work gets at least BATCH_PROMPT_FLOOR tokens of every step
 that carries any (so batch prefill always progresses), and an urgent prompt chunk at least URGENT_PROMPT_FLOOR. An
 urgent prompt longer than the target allows is itself chunked: the one case where a request's time to first token
-grows with its own length.
+grows with its own length, and only while other sequences decode: with none decoding, chunking an urgent prompt
+protects nobody and doubles its own time to first token (measured through the gateway: 945 against 417 ms for
+128 tokens of SmolLM2, fp32, one thread), so it takes the full budget.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class StepBudget:
         self._last_urgent: float | None = None
         self._left_s = math.inf
         self._batch_floor_left = 0
+        self._decode_rows = 0
 
     def begin(self, now: float, urgent_present: bool, decode_rows: int) -> None:
         if urgent_present:
@@ -46,10 +49,12 @@ class StepBudget:
         else:
             self._left_s = self.prompt_tokens = math.inf
         self._batch_floor_left = BATCH_PROMPT_FLOOR
+        self._decode_rows = decode_rows
 
     def allowance(self, urgent: bool) -> float:
-        """How many prompt tokens one chunk may take now (inf when the target does not bind)."""
-        if not self.binding:
+        """How many prompt tokens one chunk may take now (inf when the target does not bind, or for urgent work
+        while nothing decodes)."""
+        if not self.binding or (urgent and not self._decode_rows):
             return math.inf
         fits = self.cost.prompt_tokens_within(self._left_s)
         return max(fits, URGENT_PROMPT_FLOOR if urgent else self._batch_floor_left)
