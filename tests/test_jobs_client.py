@@ -185,6 +185,24 @@ def test_cli_submit_file_creates_a_batch_whose_bad_lines_are_failed_requests(fak
     assert "the batch's endpoint /v1/completions" in errors[1]["error"]["message"]
 
 
+def test_cli_submit_takes_openais_sampling_fields_and_status_shows_metadata_and_user(fake_redis, monkeypatch):
+    monkeypatch.setattr(options, "make_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
+    result = CliRunner().invoke(main, ["submit", "--queue", "oai", "hi", "--frequency-penalty", "0.5",
+                                       "--presence-penalty", "-1", "--logit-bias", "17=-100", "--logit-bias", "3=2.5",
+                                       "--metadata", "team=search", "--user", "u-42"])
+    assert result.exit_code == 0, result.output
+    job_id = result.stdout.strip()
+    request = GenerationRequest.model_validate(
+        Job.fetch(job_id, connection=fake_redis, serializer=JSONSerializer).args[0])
+    s = request.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.logit_bias) == (0.5, -1.0, {17: -100.0, 3: 2.5})
+    shown = CliRunner().invoke(main, ["status", job_id]).output
+    assert "user: u-42" in shown and "metadata: {'team': 'search'}" in shown
+    for bad in (["--logit-bias", "17"], ["--logit-bias", "17=500"], ["--frequency-penalty", "3"]):
+        assert CliRunner().invoke(main, ["submit", "--queue", "oai", "hi", *bad]).exit_code == 2
+    assert len(Queue("oai", connection=fake_redis)) == 1
+
+
 def test_cli_submit_needs_exactly_one_input():
     result = CliRunner().invoke(main, ["submit"])
     assert result.exit_code == 2 and "either PROMPT or --file" in result.output
