@@ -15,6 +15,7 @@ from batcher import constraints
 from batcher.response_format import ResponseFormat
 from batcher.tools import definitions as tool_defs
 from batcher.tools.definitions import Tool, ToolCall, ToolChoice
+from batcher.tools.grammar import tool_grammar
 
 MAX_PROMPT_BYTES = 1 << 20
 MAX_PROMPT_TOKEN_IDS = 1 << 17
@@ -235,8 +236,6 @@ class GenerationRequest(_Strict):
     def grammar(self) -> str | None:
         """The llguidance grammar the answer must follow, or None when it is free text."""
         if self.calls_tools:
-            from batcher.tools.grammar import tool_grammar
-
             return tool_grammar(self.tools, tool_defs.effective_choice(self.tools, self.tool_choice),
                                 self.parallel_tool_calls, self._text_schema())
         if self.regex is not None:

@@ -89,6 +89,14 @@ def answer_of(out, request) -> dict:
     return response_body(result, CHAT_URL, request_id="job-1", request=request)["choices"][0]
 
 
+def answers(engine, requests: dict[str, GenerationRequest]) -> dict[str, dict]:
+    """Each request run to its end on `engine`, answered as the chat endpoint answers it."""
+    for request_id, request in requests.items():
+        engine.add(request_id, request)
+    finals = run_all(engine)
+    return {request_id: answer_of(finals[request_id], request) for request_id, request in requests.items()}
+
+
 def assert_calls_validate(choice: dict, tools: list[dict]) -> list[dict]:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     calls = choice["message"].get("tool_calls") or []
@@ -106,13 +114,9 @@ def test_required_and_named_tools_give_calls_whose_arguments_validate(tool_model
         requests[f"required-{i}"] = chat([tool], "required", parallel=i % 4 == 0, **sampling)
         requests[f"named-{i}"] = chat([tool, TOOLS[(i + 1) % len(TOOLS)]], named(f"tool_{i}"), parallel=False,
                                       **sampling)
-    for request_id, request in requests.items():
-        engine.add(request_id, request)
-    finals = run_all(engine)
-    for request_id, request in requests.items():
-        choice = answer_of(finals[request_id], request)
+    for request_id, choice in answers(engine, requests).items():
         calls = assert_calls_validate(choice, TOOLS)
-        assert calls and choice["message"]["content"] is None, (request_id, finals[request_id].text)
+        assert calls and choice["message"]["content"] is None, (request_id, choice)
         assert {c["function"]["name"] for c in calls} == {f"tool_{request_id.split('-')[1]}"}
         if choice["finish_reason"] != "length":
             assert choice["finish_reason"] == "tool_calls"
@@ -123,15 +127,12 @@ def test_auto_answers_text_or_calls_that_validate_and_none_answers_text(plain_mo
     requests = {f"auto-{seed}": chat(TOOLS[seed:seed + 2], temperature=1.0, seed=seed, max_tokens=60)
                 for seed in range(12)}
     requests["none"] = chat(TOOLS[:2], "none")
-    for request_id, request in requests.items():
-        engine.add(request_id, request)
-    finals = run_all(engine)
-    for request_id, request in requests.items():
-        choice = answer_of(finals[request_id], request)
+    answered = answers(engine, requests)
+    for choice in answered.values():
         calls = assert_calls_validate(choice, TOOLS)
         if not calls:
             assert "<tool_call>" not in (choice["message"]["content"] or ""), choice
-    assert answer_of(finals["none"], requests["none"])["message"].get("tool_calls") is None
+    assert answered["none"]["message"].get("tool_calls") is None
 
 
 def test_parallel_calls_are_bounded_and_one_call_ends_the_answer_without_them(tool_model):

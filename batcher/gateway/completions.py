@@ -221,7 +221,6 @@ class Chunks:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": model, "service_tier": tier}
         self.usage_options = usage
-        self.include_usage = usage.final
         self.n = n
         self._text_offset = [len(self.echo or "")] * n  # of each choice's next token, for completions' logprobs
         self.prompt_usage: Usage | None = None  # from the first token event (continuous usage)
@@ -232,7 +231,7 @@ class Chunks:
         if self.usage_options.continuous and self.prompt_usage is not None:
             chunk.setdefault("usage", usage_body(self.prompt_usage.model_copy(
                 update={"completion_tokens": sum(self.completion_tokens)})))
-        if self.include_usage:
+        if self.usage_options.final:
             chunk.setdefault("usage", None)
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
@@ -328,7 +327,7 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
                 else:
                     for chunk in chunks.finish(await _finish_reasons(app.state.client, job_id, event, chunks.n)):
                         yield chunk
-                    if chunks.include_usage:
+                    if chunks.usage_options.final:
                         yield chunks.usage(event.usage)
             elif event.type == "error":
                 ended = True

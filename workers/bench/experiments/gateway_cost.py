@@ -283,8 +283,8 @@ def run(lines: int, requests: int, max_tokens: int, model: str, dtype: str, thre
         stop_all(processes, directory, keep_logs)
 
 
-def stop_all(processes: list[subprocess.Popen], directory: Path, keep_logs: bool) -> None:
-    """Stop the bench's processes, newest first, and remove their folder unless its logs are kept."""
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """Stop processes, newest first: terminate, and kill what is still running 30 s later."""
     for process in reversed(processes):
         if process.poll() is None:
             process.terminate()
@@ -292,6 +292,12 @@ def stop_all(processes: list[subprocess.Popen], directory: Path, keep_logs: bool
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
+
+
+def stop_all(processes: list[subprocess.Popen], directory: Path, keep_logs: bool) -> None:
+    """Stop the bench's processes, newest first, and remove their folder unless its logs are kept."""
+    stop_processes(processes)
     if keep_logs:
         click.echo(f"logs in {directory}", err=True)
     else:

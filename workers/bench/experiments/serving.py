@@ -42,7 +42,7 @@ import click
 
 from batcher.config import DTYPES
 from workers.bench.experiments import serving_report as report
-from workers.bench.experiments.gateway_cost import QUEUE, _start_gateway, _wait, stop_all
+from workers.bench.experiments.gateway_cost import QUEUE, _start_gateway, _wait, stop_all, stop_processes
 from workers.bench.private_redis import free_port, start_redis_server
 from workers.bench.report import _cpu_name
 
@@ -150,7 +150,7 @@ def bench_batcher(s: Settings, directory: Path) -> dict:
                                                                                          "concurrent@1"))
         return reports
     finally:
-        _stop(processes)
+        stop_processes(processes)
 
 
 def _kinds(s: Settings) -> list[str]:
@@ -175,18 +175,7 @@ def bench_llama_server(s: Settings, directory: Path, build_jobs: int) -> dict:
         warm(base, s)
         return {kind: run_guidellm(base, kind, s, directory, report.LLAMA) for kind in _kinds(s)}
     finally:
-        _stop([server])
-
-
-def _stop(processes: list[subprocess.Popen]) -> None:
-    for process in reversed(processes):
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes([server])
 
 
 def worker_ttfts(redis_url: str, sent: list[report.Sent]) -> list[float]:
