@@ -359,10 +359,14 @@ class StreamEvent(_Tolerant):
     `start` when a worker takes the job; `token` with the text delta, the new token ids and the
     index of the first of them in the output (a choice's first token event, at index 0, also carries the
     prompt's `usage`, its completion_tokens 0: what vLLM's `continuous_usage_stats` needs); `done` with the
-    finish reason and usage; `error` with
-    the reason. A retried job writes `restart` first: readers drop the text of the lost attempt and
-    keep only events of the restart's execution. Unknown fields are ignored, so older readers keep
-    working when events grow.
+    finish reason and usage; `error` with the reason.
+
+    A job rerun after a crash or a lost lease goes on where its stream stopped: its execution writes `start`,
+    then the next tokens (their `index` continues), so a reader sees one uninterrupted text; readers keep only
+    events of the execution of the latest `start` or `restart` (`batcher.jobs.stream.AttemptFilter`). `restart`
+    is rare: a rerun writes it first only when its stream cannot be continued (trimmed, or a gap a failover
+    left); readers then drop the text so far. Unknown fields are ignored, so older readers keep working when
+    events grow.
     """
 
     type: StreamEventType

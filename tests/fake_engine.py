@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from batcher.schema import GenerationRequest
 from workers.bench.letter_engine import FIRST_TOKEN, LetterEngine
-from workers.engine.api import EngineStats, RequestError, RequestOutput
+from workers.engine.api import EngineStats, Progress, RequestError, RequestOutput
 
 VOCAB_SIZE = 256  # what it publishes: its tokens are letters
 
@@ -21,12 +21,16 @@ class FakeEngine(LetterEngine):
     def __init__(self, max_num_seqs: int = 4) -> None:
         super().__init__(max_num_seqs, name="fake-model")
         self.added: list[str] = []
+        self.resumed: dict[str, int] = {}  # request id -> the tokens it went on from
 
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None,
+            progress: dict[int, Progress] | None = None) -> None:
         if request.prompt == "too long":
             raise RequestError("the prompt has 9999 tokens; this model's context is 512")
-        super().add(request_id, request, arrival_time)
+        super().add(request_id, request, arrival_time, progress)
         self.added.append(request_id)
+        if progress:
+            self.resumed[request_id] = len(progress[0].token_ids)
 
     def stats(self) -> EngineStats:
         return replace(super().stats(), vocab_size=VOCAB_SIZE)

@@ -72,3 +72,12 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def continued_text(events, choice: int = 0) -> str:
+    """A rerun job's streamed text, checked to be one uninterrupted stream: no `restart`, and each token event of
+    `choice` starts where the one before it ended, across executions."""
+    assert "restart" not in [e.type for e in events]
+    tokens = [e for e in events if e.type == "token" and e.choice == choice]
+    assert [e.index for e in tokens] == [sum(len(t.token_ids) for t in tokens[:i]) for i in range(len(tokens))]
+    return "".join(e.text for e in tokens)

@@ -18,7 +18,7 @@ from batcher.client import Client, JobFailed
 from batcher.jobs import keys
 from batcher.jobs.contract import JOB_FUNCTION, MAX_REASON_CHARS
 from tests.fake_engine import FakeEngine, expected_text
-from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
+from tests.jobs_support import continued_text, fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.test_worker import Q, events, expire_leases, fetch, make_worker, request
 from workers.job_worker.admission import BUSY_RESCAN_S
 from workers.job_worker.leases import MAX_ATTEMPTS
@@ -39,13 +39,6 @@ def run_until_killed(connection, at_step: int = 2, engine=None, **kwargs):
         make_worker(connection, engine, on_step=die, **kwargs).work()
 
 
-def text_after_last_restart(connection, job_id: str) -> str:
-    """What a raw XREAD reader keeps: the token text after the last `restart` (or from the start)."""
-    stream = events(connection, job_id)
-    starts = [i for i, e in enumerate(stream) if e.type == "restart"]
-    return "".join(e.text for e in stream[(starts[-1] if starts else 0):] if e.type == "token")
-
-
 def test_a_plain_rq_job_without_retry_is_recovered_after_its_worker_dies(fake_redis):
     queue = Queue(Q, connection=fake_redis, serializer=JSONSerializer)
     ids = [queue.enqueue(JOB_FUNCTION, request(max_tokens=6)).id for _ in range(3)]
@@ -57,8 +50,7 @@ def test_a_plain_rq_job_without_retry_is_recovered_after_its_worker_dies(fake_re
         job = fetch(fake_redis, job_id)
         assert job.get_status() == JobStatus.FINISHED
         assert [r.type for r in job.results()] == [Result.Type.SUCCESSFUL]
-        assert [e.type for e in events(fake_redis, job_id)][:2] == ["restart", "start"]
-        assert text_after_last_restart(fake_redis, job_id) == expected_text(6) == job.return_value()["text"]
+        assert continued_text(events(fake_redis, job_id)) == expected_text(6) == job.return_value()["text"]
     assert FailedJobRegistry(Q, connection=fake_redis).count == 0
 
 
@@ -184,7 +176,7 @@ def test_a_flush_whose_reply_was_lost_is_sent_again_without_writing_anything_twi
         stream = events(fake_redis, job_id)
         tokens = [e for e in stream if e.type == "token"]
         assert [e.index for e in tokens] == [sum(len(t.token_ids) for t in tokens[:i]) for i in range(len(tokens))]
-        assert text_after_last_restart(fake_redis, job_id) == expected_text(12) == client.result(job_id, 10).text
+        assert continued_text(stream) == expected_text(12) == client.result(job_id, 10).text
         assert [e.type for e in stream].count("done") == 1
 
 
@@ -232,10 +224,12 @@ def test_a_worker_that_takes_back_a_job_it_still_ran_keeps_the_two_executions_ap
     engine = FakeEngine()
     make_worker(fake_redis, engine, on_step=lease_runs_out).work(burst=True)
     assert len(engine.added) == 2
-    assert text_after_last_restart(fake_redis, job_id) == expected_text(30) == client.result(job_id, 10).text
     stream = events(fake_redis, job_id)
-    tail = stream[max(i for i, e in enumerate(stream) if e.type == "restart"):]
-    assert {e.execution_id for e in tail} == {fetch(fake_redis, job_id).latest_result().execution_id}
+    assert continued_text(stream) == expected_text(30) == client.result(job_id, 10).text
+    new = fetch(fake_redis, job_id).latest_result().execution_id
+    tail = stream[next(i for i, e in enumerate(stream) if e.type == "start" and e.execution_id == new):]
+    assert {e.execution_id for e in tail} == {new}  # the old execution, still running here, wrote nothing more
+    assert engine.resumed[new] == 3
     assert [r.type for r in fetch(fake_redis, job_id).results()] == [Result.Type.SUCCESSFUL]
 
 

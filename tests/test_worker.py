@@ -22,7 +22,7 @@ from batcher.jobs.contract import JOB_FUNCTION
 from batcher.jobs.life import PICKLED_JOB_REASON
 from batcher.schema import GenerationRequest, StreamEvent
 from tests.fake_engine import FakeEngine, expected_text
-from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
+from tests.jobs_support import continued_text, fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
 from workers.job_worker.worker import JobWorker
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
@@ -205,11 +205,13 @@ def test_first_signal_drains_second_requeues_at_the_front(fake_redis):
     assert StartedJobRegistry(Q, connection=fake_redis).count == 0
     assert not fake_redis.keys("rq:execution:*")
 
-    make_worker(fake_redis).work(burst=True)
-    for job_id in ids[2:]:
+    engine = FakeEngine()
+    make_worker(fake_redis, engine).work(burst=True)
+    for job_id in ids[2:]:  # each goes on from the tokens the force-stopped worker wrote before it left
         assert client.result(job_id, timeout=10).text == expected_text(4)
-        assert [e.type for e in events(fake_redis, job_id)][:2] == ["restart", "start"]
+        assert continued_text(events(fake_redis, job_id)) == expected_text(4)
         assert [r.type for r in fetch(fake_redis, job_id).results()] == [Result.Type.SUCCESSFUL]
+    assert sorted(engine.resumed.values()) == [1, 1]  # the token of its one step
 
 
 def test_a_job_whose_lease_was_lost_is_not_recorded(fake_redis):
@@ -228,7 +230,7 @@ def test_a_job_whose_lease_was_lost_is_not_recorded(fake_redis):
     assert client.result(kept, timeout=30).text == expected_text(5)
 
 
-def test_a_dead_workers_jobs_are_retried_once_with_a_restart(fake_redis):
+def test_a_dead_workers_jobs_are_retried_once_and_go_on_from_their_streams(fake_redis):
     client = Client(fake_redis, queue=Q)
     ids = client.submit_many([request(max_tokens=6) for _ in range(3)])
 
@@ -246,16 +248,18 @@ def test_a_dead_workers_jobs_are_retried_once_with_a_restart(fake_redis):
     assert sorted(dead) == sorted(ids)
     expire_leases(fake_redis)
 
-    make_worker(fake_redis).work(burst=True)
+    engine = FakeEngine()
+    make_worker(fake_redis, engine).work(burst=True)
     for job_id in ids:
         job = fetch(fake_redis, job_id)
         assert client.result(job_id, timeout=10).text == expected_text(6)
         assert [r.type for r in job.results()] == [Result.Type.SUCCESSFUL]
         assert job.latest_result().execution_id != dead[job_id]
         stream = events(fake_redis, job_id)
-        assert [e.type for e in stream][:2] == ["restart", "start"]  # the lost attempt's tokens are gone
-        assert {e.execution_id for e in stream} == {job.latest_result().execution_id}
-        assert "".join(e.text for e in stream) == expected_text(6)
+        assert {e.execution_id for e in stream} == {dead[job_id], job.latest_result().execution_id}
+        assert continued_text(stream) == expected_text(6)  # the lost attempt's tokens are kept, not made again
+        assert engine.resumed[job.latest_result().execution_id] == len(
+            [t for e in stream if e.execution_id == dead[job_id] for t in e.token_ids])
     assert registry.count == 0 and not fake_redis.keys("batcher:lease*") and not fake_redis.keys("batcher:attempts:*")
 
 

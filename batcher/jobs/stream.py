@@ -41,14 +41,15 @@ def append_event(pipe, job_id: str, event: StreamEvent, ttl: int | None) -> None
 
 
 class AttemptFilter:
-    """Which events of a job's stream a reader passes on: after a `restart`, only the events of the
-    restart's execution, so that a lost attempt that is still writing never mixes its text in."""
+    """Which events of a job's stream a reader passes on: those of the execution that wrote the latest `start` or
+    `restart`. A rerun's `start` continues the text (it goes on from the tokens the stream holds); a `restart`
+    starts it over. Either way, an earlier attempt's late events are not mixed in."""
 
     def __init__(self) -> None:
         self.current: str | None = None
 
     def accepts(self, event: StreamEvent) -> bool:
-        if event.type == "restart" or self.current is None:
+        if event.type in ("start", "restart") or self.current is None:
             self.current = event.execution_id
             return True
         return event.execution_id in (self.current, None)
@@ -76,7 +77,7 @@ def follow(job_id: str) -> Generator[Step, object, None]:
     """A job's events from the start until `done` or `error`, as a generator that yields what to read next
     (`Read`, `INFER_END`: send back the answer) and the events to pass on (send back None).
 
-    After a `restart`, only events of the restart's execution pass (`AttemptFilter`). A stream that goes quiet
+    Only events of the execution that wrote the latest `start` or `restart` pass (`AttemptFilter`). A stream that goes quiet
     is checked for an end its job never wrote; that end is passed on once one more read finds nothing new."""
     key = keys.stream_key(job_id)
     last_id, attempts = "0-0", AttemptFilter()

@@ -271,8 +271,8 @@ class Scheduler:
         seq.block_table.extend(shared)
         seq.block_table.extend(self.allocator.allocate(new))
         seq.num_computed_tokens = len(shared) * self.allocator.block_size
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = seq.num_computed_tokens
+        if seq.num_preemptions == 0:  # (a resumed sequence's cached blocks may hold generated tokens too)
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             if self.allocator.prefix_caching:
                 self.prefix_cache_stats.queries += seq.num_prompt_tokens
                 self.prefix_cache_stats.hits += seq.num_cached_tokens

@@ -77,10 +77,10 @@ class FlakyEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def add(self, request_id, request, arrival_time=None):
+    def add(self, request_id, request, arrival_time=None, progress=None):
         if self.failing and request.metadata.get("flaky"):
             raise RequestError("a transient failure")
-        return self.engine.add(request_id, request, arrival_time)
+        return self.engine.add(request_id, request, arrival_time, progress)
 
 
 def test_rq_info_status_results_and_requeue_work_on_our_jobs(redis_url, tiny_model_dir):
@@ -151,8 +151,8 @@ def test_a_waiting_job_is_admitted_on_the_step_after_a_slot_frees(redis_url, tin
     engine = tiny_engine(tiny_model_dir("llama"), max_num_seqs=4)
     added, first, finished = [], {}, {}  # request ids in order; step of the first token; step of the end
     add, step = engine.add, engine.step
-    engine.add = lambda request_id, request, arrival_time=None: (added.append(request_id),
-                                                                 add(request_id, request, arrival_time))[1]
+    engine.add = lambda request_id, request, arrival_time=None, progress=None: (
+        added.append(request_id), add(request_id, request, arrival_time, progress))[1]
 
     def logged_step():
         index, outputs = engine.step_index, step()

@@ -1,8 +1,10 @@
 """Worker crash: three `batcher worker` processes, 60 jobs of mixed lengths, half of them enqueued with plain RQ
 (no Retry), while the stock `rq info` runs in a loop; one worker is SIGKILLed
 while it has at least 8 jobs in flight, a second one later. Every job ends with exactly one
-successful result whose tokens equal `model.generate` alone, and a rerun job's stream starts with
-`restart`. The time from each kill to the lost jobs running again is measured (goal: 30 s)."""
+successful result whose tokens equal `model.generate` alone, and a rerun job goes on where its stream stopped:
+no `restart`, one uninterrupted text. The time from each kill to the lost jobs running again is measured (goal:
+30 s). A second test kills a worker running a sampled n = 3 request, a constrained one and one with a stop string:
+each goes on to what an uninterrupted run gives."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from rq.serializers import JSONSerializer
 from batcher.client import Client
 from batcher.jobs import keys
 from batcher.jobs.contract import JOB_FUNCTION
-from tests.jobs_support import wait_for
+from batcher.schema import GenerationRequest, SamplingParams
+from tests.engine_helpers import engine_for
+from tests.jobs_support import continued_text, wait_for
 from tests.reliability.support import (
     LEASE_S,
     RedisServer,
@@ -62,15 +66,21 @@ def kill_and_time_recovery(connection, process, ids, worker) -> tuple[list[str],
     killed_at = time.monotonic()
     lost = [j for j in ids if fetch(connection, j).worker_name == worker
             and fetch(connection, j).get_status() == JobStatus.STARTED]
-    # A rerun replaces the stream with one that starts with `restart`: a new first entry.
-    first_ids = {j: (entry[0] if (entry := first_entry(connection, j)) else None) for j in lost}
+    streamed = [j for j in lost if first_entry(connection, j)]
+    executions = {j: {e.execution_id for e in events(connection, j)} for j in streamed}
 
-    def restarted():
-        # (a job whose first attempt had not written its stream yet starts anew, without `restart`)
-        return all((entry := first_entry(connection, j)) and entry[0] != first_ids[j] for j in lost)
+    def running_again():  # a rerun writes `start` under a new execution on the stream it goes on from
+        return all({e.execution_id for e in events(connection, j)} - executions[j] for j in streamed)
 
-    wait_for(restarted, RECOVERY_GOAL_S, "the killed worker's jobs to run again", interval=0.05)
-    return [j for j in lost if first_ids[j]], time.monotonic() - killed_at
+    wait_for(running_again, RECOVERY_GOAL_S, "the killed worker's jobs to run again", interval=0.05)
+    return streamed, time.monotonic() - killed_at
+
+
+def kept_tokens(connection, job_id) -> int:
+    """The tokens a rerun went on from: those its earlier executions streamed (a restart would make them again)."""
+    stream = events(connection, job_id)
+    last = stream[-1].execution_id
+    return sum(len(e.token_ids) for e in stream if e.type == "token" and e.execution_id != last)
 
 
 class StockRqInfo:
@@ -140,17 +150,20 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
             assert result.token_ids == references[by_id[job_id]], job_id
             results = fetch(connection, job_id).results()
             assert [r.type for r in results if r.type != Result.Type.RETRIED] == [Result.Type.SUCCESSFUL], job_id
+        kept = 0
         for job_id in set(lost1) | set(lost2):
             stream = events(connection, job_id)
-            assert (stream[0].type, stream[-1].type) == ("restart", "done")
-            assert len({e.execution_id for e in stream}) == 1
+            assert (stream[0].type, stream[-1].type) == ("start", "done")
+            assert continued_text(stream) == client.result(job_id).text
             assert [t for e in stream for t in e.token_ids] == references[by_id[job_id]]
+            kept += kept_tokens(connection, job_id)
         rq_info.stop()
         assert rq_info.runs > 0 and not rq_info.failures, rq_info.failures
         assert FailedJobRegistry(QUEUE, connection=connection).count == 0
         assert max(recovery1, recovery2) <= RECOVERY_GOAL_S
+        assert kept > 0
         record("worker_crash", jobs=len(ids), plain_rq_jobs=len(ids) // 2, rq_info_runs=rq_info.runs, jobs_lost=0,
-               doubled=0,
+               doubled=0, restarts=0, tokens_kept_across_kills=kept,
                killed_in_flight=f"{len(lost1)}+{len(lost2)}",
                recovery_s=f"{recovery1:.1f}/{recovery2:.1f}", lease_s=LEASE_S)
     finally:
@@ -158,3 +171,72 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
         for _, process in workers:
             stop(process)
         server.stop()
+
+
+def special_requests(prompts) -> dict[str, GenerationRequest]:
+    """Requests whose state a resume must restore beyond the tokens: n = 3 seeded sampling, a grammar, a stop
+    string (taken from the uninterrupted answer: late in it, so that the kill comes before it)."""
+    schema = {"type": "object", "properties": {"notes": {"type": "string", "minLength": 150, "maxLength": 200}},
+              "required": ["notes"], "additionalProperties": False}
+    return {
+        "choices": GenerationRequest(prompt_token_ids=prompts[0], sampling=SamplingParams(
+            max_tokens=300, n=3, temperature=0.8, seed=99, ignore_eos=True)),
+        "grammar": GenerationRequest(prompt_token_ids=prompts[1], sampling=SamplingParams(max_tokens=150),
+                                     response_format={"type": "json_schema",
+                                                      "json_schema": {"name": "n", "schema": schema}}),
+        "stop": GenerationRequest(prompt_token_ids=prompts[2], sampling=SamplingParams(
+            max_tokens=300, ignore_eos=True, logprobs=1)),
+    }
+
+
+def test_a_killed_workers_sampled_constrained_and_stopping_jobs_go_on_to_the_uninterrupted_answer(tiny_model_dir,
+                                                                                                  tmp_path):
+    model_dir = tiny_model_dir("llama")
+    requests = special_requests(prompt_pool())
+    engine = engine_for(model_dir)  # the uninterrupted answers, alone in an engine of this process
+    whole = {name: run_alone(engine, request) for name, request in requests.items()}
+    text = whole["stop"].text
+    stop_text = next(text[i:i + 5] for i in range(len(text) * 3 // 4, len(text)) if text.find(text[i:i + 5]) == i)
+    requests["stop"] = requests["stop"].model_copy(update={"sampling": requests["stop"].sampling.model_copy(
+        update={"stop": [stop_text]})})
+    whole["stop"] = run_alone(engine, requests["stop"])
+    assert whole["stop"].finish_reason == "stop" and len(whole["stop"].token_ids) > 40
+    server = RedisServer(tmp_path / "redis").start()
+    connection = server.connection()
+    first = start_worker(server.url, model_dir, QUEUE, tmp_path / "first.log", max_num_seqs=8)
+    second = None
+    try:
+        wait_ready(connection, *first)
+        client = Client(connection, queue=QUEUE)
+        ids = {name: client.submit(request) for name, request in requests.items()}
+        wait_for(lambda: all(sum(len(e.token_ids) for e in events(connection, j)) >= 20 for j in ids.values()),
+                 60, "every job to stream 20 tokens")
+        first[1].send_signal(signal.SIGKILL)
+        first[1].wait()
+        second = start_worker(server.url, model_dir, QUEUE, tmp_path / "second.log", max_num_seqs=8)
+        for name, job_id in ids.items():
+            result = client.result(job_id, timeout=120)
+            stream = events(connection, job_id)
+            assert len({e.execution_id for e in stream}) == 2 and kept_tokens(connection, job_id) >= 20, name
+            answers = result.choices or [result]
+            assert [a.token_ids for a in answers] == [c.token_ids for c in (whole[name].choices or [whole[name]])]
+            assert [a.finish_reason for a in answers] == [c.finish_reason for c in
+                                                          (whole[name].choices or [whole[name]])], name
+            for choice, answer in enumerate(answers):
+                assert continued_text(stream, choice) == answer.text, (name, choice)
+        logprobs = client.result(ids["stop"]).logprobs  # those of the tokens before the kill came from the stream
+        assert [(lp.token, round(lp.logprob, 4)) for lp in logprobs] == [
+            (lp.token, round(lp.logprob, 4)) for lp in whole["stop"].logprobs]
+    finally:
+        for worker in (first, second):
+            if worker is not None:
+                stop(worker[1])
+        server.stop()
+
+
+def run_alone(engine, request):
+    engine.add("alone", request)
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                return out

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from batcher.scheduler.blocks import PrefixCacheStats
 from batcher.schema import GenerationRequest
-from workers.engine.api import EngineStats, RequestError, RequestOutput, StepStats
+from workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
 
 FIRST_TOKEN = 65  # "A"
 
@@ -40,10 +40,14 @@ class LetterEngine:
         self.prefix_cache_stats = PrefixCacheStats()
         self.requests: dict[str, LetterRequest] = {}
 
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None,
+            progress: dict[int, Progress] | None = None) -> None:
+        """Queue a request; with `progress`, it goes on after the letters an earlier attempt generated."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in the engine")
-        self.requests[request_id] = LetterRequest(request, time.monotonic() if arrival_time is None else arrival_time)
+        prior = (progress or {}).get(0)
+        self.requests[request_id] = LetterRequest(request, time.monotonic() if arrival_time is None else arrival_time,
+                                                  list(prior.token_ids) if prior else [])
 
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -78,14 +82,14 @@ class LetterEngine:
 
     def advance(self, request_id: str, req: LetterRequest) -> RequestOutput:
         """One step of one request: its next letter, and its end once it has `max_tokens` of them."""
-        token = FIRST_TOKEN + len(req.generated)
-        req.generated.append(token)
+        new = [FIRST_TOKEN + len(req.generated)] if len(req.generated) < req.request.sampling.max_tokens else []
+        req.generated += new
         req.last_at = time.monotonic()
         req.first_at = req.first_at or req.last_at
         done = len(req.generated) >= req.request.sampling.max_tokens
         if done:
             del self.requests[request_id]
-        return self.output(request_id, req, [token], finish_reason="length" if done else None)
+        return self.output(request_id, req, new, finish_reason="length" if done else None)
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
         req = self.requests.pop(request_id, None)

@@ -102,6 +102,15 @@ class EngineStats:
     vocab_size: int = 0  # the model's logits' width: what logit_bias ids must stay below (0: unknown)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What an earlier attempt of a request already generated for one choice, as its stream holds it: a rerun
+    continues from here instead of starting over (`logprobs` when the request asked for them)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
 class LoadedModelInfo(Protocol):
     name: str
 
@@ -112,8 +121,10 @@ class EngineProtocol(Protocol):
 
     loaded: LoadedModelInfo
 
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
-        """Queue a request; raise RequestError, keeping nothing, if it can never be served."""
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None,
+            progress: dict[int, Progress] | None = None) -> None:
+        """Queue a request; raise RequestError, keeping nothing, if it can never be served. `progress` (by choice)
+        is what an earlier attempt generated: the request goes on from there."""
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling decision and one forward; an output for every request that changed."""

@@ -25,7 +25,7 @@ from batcher.scheduler.sequence import Sequence, SequenceStatus
 from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from batcher.service_class import CLASSES, class_of, urgency_of
 from batcher.tools.prompt import chat_inputs, template_reads_tools
-from workers.engine.api import EngineStats, RequestError, RequestOutput, StepStats
+from workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
 from workers.engine.choices import Choices
 from workers.engine.detokenize import IncrementalDetokenizer
 from workers.engine.logprobs import Logprobs
@@ -69,10 +69,17 @@ class Engine:
         self.last_step: StepStats | None = None
         self.recent_step_s = 0.0
         self._requests: dict[str, _Request] = {}
+        self._ready: list[RequestOutput] = []  # ends of resumed choices that had ended before: the next step's
 
     # ----- the public API -----
-    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises RequestError, and keeps nothing, if it can never be served."""
+    def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None,
+            progress: dict[int, Progress] | None = None) -> None:
+        """Queue a request. Raises RequestError, and keeps nothing, if it can never be served.
+
+        `progress` (by choice) is what an earlier attempt generated: those tokens join the sequence as generated,
+        so its first step prefills prompt + them (the prefix cache may hold the prompt) and decoding goes on with
+        what is left of `max_tokens`. Its detokenizer, stop strings, grammar and logprobs are brought to where the
+        earlier attempt left them; a choice that had already ended is reported ended by the next step."""
         if request_id in self._requests or request_id in self.choices:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         prompt_ids = self.tokenize(request)
@@ -86,17 +93,33 @@ class Engine:
                     self.grammars.forget(admitted)
                 raise
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        requests = []
         for sequence_id, sampling in sequences:
             seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival, service_class=class_of(request),
                            urgency=urgency_of(request), tenant=request.tenant)
             detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
-            self._requests[sequence_id] = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
-            self.sampler.admit(seq)
-            self.scheduler.add(seq)
+            requests.append(_Request(seq, detok, logprobs=None if sampling.logprobs is None else []))
+        try:
+            for index, prior in (progress or {}).items():
+                if prior.token_ids and index < len(requests):
+                    self._restore(requests[index], prior)
+        except RequestError:
+            for sequence_id, _ in sequences:
+                self.grammars.forget(sequence_id)
+            raise
+        for req in requests:
+            self._requests[req.seq.request_id] = req
+            self.sampler.admit(req.seq)
+            if req.seq.finish_reason is None:
+                self.scheduler.add(req.seq)
         self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences], request.sampling)
+        for req in requests:
+            if req.seq.finish_reason is not None:
+                req.delta_text = req.detokenizer.flush()  # what the earlier attempt still held back
+                self._ready.append(self._finish(req, req.seq.finish_reason))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self._ready) or self.scheduler.has_work()
 
     @property
     def free_slots(self) -> int:
@@ -154,10 +177,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update; return an output for every request that changed."""
         started = time.perf_counter()
+        ready, self._ready = self._ready, []
         plan = self.scheduler.schedule()
         if not plan:
-            return []
+            return self.choices.merge(ready, self.abort)
         computed, sampled, outputs = self._run(plan)
+        outputs = ready + outputs
         finished = set(self.scheduler.update(computed, sampled))
         for seq, token in sampled.items():
             req = self._requests[seq.request_id]
@@ -204,6 +229,23 @@ class Engine:
                                                       return_dict=True)["input_ids"])
         except Exception as exc:  # noqa: BLE001  (a template that raises on this conversation: jinja's own errors)
             raise RequestError(f"model {self.loaded.name!r}'s chat template refused the messages: {exc}") from None
+
+    def _restore(self, req: _Request, prior: Progress) -> None:
+        """Bring a new sequence to where an earlier attempt left it: its tokens as generated, replayed through the
+        detokenizer (stop strings) and the grammar; its finish reason set if it had already ended there."""
+        seq = req.seq
+        seq.token_ids.extend(prior.token_ids)
+        for token in prior.token_ids:
+            req.detokenizer.push(token)
+        if req.logprobs is not None:
+            req.logprobs.extend(prior.logprobs or [])
+        grammar_complete = self.grammars.advance(seq)
+        last = prior.token_ids[-1]
+        if req.detokenizer.stopped or grammar_complete or (last in self.loaded.eos_token_ids
+                                                            and not seq.sampling.ignore_eos):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
 
     def _check_servable(self, prompt_ids: list[int], request: GenerationRequest) -> None:
         if not prompt_ids:

@@ -24,6 +24,7 @@ from workers.engine.api import EngineProtocol, RequestError
 from workers.job_worker.class_pick import ClassAdmission
 from workers.job_worker.in_flight import InFlight, InFlightJobs
 from workers.job_worker.leases import claim_on, fenced
+from workers.job_worker.resume import Resumed, read_resumable, with_job_seed
 from workers.job_worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
@@ -133,28 +134,31 @@ class Admission:
                 claim_on(pipe, job.id, execution.id, queue.name, worker.lease_s)
                 started.append((job, queue, tenant, execution, len(pipe)))
                 pipe.exists(keys.cancel_key(job.id))
-                pipe.xrevrange(keys.stream_key(job.id), count=1)
+                pipe.xrange(keys.stream_key(job.id))  # what earlier attempts streamed: empty on a first attempt
 
         replies = fenced(worker.connection, [job.id for job, _, _ in taken], build)
         admitted_at = time.monotonic()
         admitted = []
         for job, queue, tenant, execution, at in started:
             f = InFlight(job, queue, execution, admitted_at, worker.result_ttl(job), failure_ttl(job), tenant)
-            cancelled, top = replies[at], replies[at + 1]
-            self.streams.begin(job.id, execution.id, top[0][0] if top else None, f.result_ttl)
+            cancelled, streamed = replies[at], replies[at + 1]
+            resumed = _resumable(job, streamed)
+            self.streams.begin(job.id, execution.id, streamed[-1][0] if streamed else None, f.result_ttl, resumed)
             admitted.append(f)
-            self._hand_over(f, cancelled)
+            self._hand_over(f, cancelled, resumed)
         return admitted
 
-    def _hand_over(self, f: InFlight, cancelled: bool) -> None:
-        """Decode a started job and add it to the engine; or end it at once with the reason it cannot run."""
+    def _hand_over(self, f: InFlight, cancelled: bool, resumed: Resumed | None) -> None:
+        """Decode a started job and add it to the engine (going on from what earlier attempts streamed, if any);
+        or end it at once with the reason it cannot run."""
         try:
             request = f.request = decode_request(f.job)
             if cancelled:
                 f.ended("stopped", reason=CANCELLED_BEFORE_START)
                 return
             _check_deadline(request)
-            self.engine.add(f.id, request, arrival_time=f.admitted_at)
+            self.engine.add(f.id, with_job_seed(request, f.job.id), arrival_time=f.admitted_at,
+                            progress=resumed.progress if resumed else None)
             if request.timeout_s is not None:
                 f.timeout_at = f.admitted_at + request.timeout_s
         except (InvalidJob, RequestError) as exc:
@@ -162,6 +166,18 @@ class Admission:
         except Exception as exc:  # one bad job must not take the worker down
             log.exception("job %s could not be admitted", f.job.id)
             f.ended("failed", reason=f"{type(exc).__name__}: {exc}")
+
+
+def _resumable(job: Job, streamed: list) -> Resumed | None:
+    """What a rerun job's earlier attempts streamed, to go on from; None for a first attempt, a stream that cannot
+    be continued, or a job that cannot be decoded (it ends at once, after a `restart`)."""
+    if not streamed:
+        return None
+    try:
+        request = decode_request(job)
+    except InvalidJob:
+        return None
+    return read_resumable(streamed, request.sampling.logprobs is not None)
 
 
 def _check_deadline(request: GenerationRequest) -> None:

@@ -14,11 +14,13 @@ Three guarantees, enforced by Redis itself:
 - Exactly once: every event has an explicit stream id, `<base_ms>-<seq>`, fixed when it is buffered.
   A write whose reply was lost (a connection cut mid-flush) is sent again as it was, and Redis refuses the
   ids it already holds. An event that was part of such a write is sealed: later tokens go into a new event.
-`base_ms` lies above every id an earlier attempt wrote, so a reader's position stays valid across a restart.
+`base_ms` lies above every id an earlier attempt wrote, so a reader's position stays valid across attempts.
 
 A stream lives at `batcher:stream:<job_id>`, trimmed (MAXLEN ~), and expires with the job's result: `start`
 sets its TTL to the result TTL (so the stream of a dead worker goes too), the last event sets it again.
-A retried job's stream is replaced by one that starts with `restart`, so it holds only the current attempt.
+A rerun job's stream continues: the new execution writes `start` and goes on from the tokens the stream holds
+(`workers.job_worker.resume`). Only where that is impossible (the stream lost its beginning or has a gap) is it
+replaced by one that starts with `restart`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from batcher.jobs.life import EndStatus, terminal_event
 from batcher.jobs.redis_text import as_text
 from batcher.jobs.stream import STREAM_MAXLEN, ttl_arg
 from batcher.schema import STREAM_FIELD, GenerationResult, StreamEvent, TokenLogprob, Usage
+from workers.job_worker.resume import Resumed
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +137,23 @@ class StreamWriter:
         self._flushed_at = 0.0
         self._in_transaction: dict[str, int] = {}  # execution id -> its write's position in the end transaction
 
-    def begin(self, job_id: str, execution_id: str, top_id: bytes | str | None, ttl: int | None) -> None:
-        """Start an execution's stream. `top_id` is the stream's last id if it exists: an earlier attempt
-        wrote it, so this one replaces it and begins with `restart`."""
+    def begin(self, job_id: str, execution_id: str, top_id: bytes | str | None, ttl: int | None,
+              resumed: Resumed | None = None) -> None:
+        """Start an execution's stream. `top_id` is the stream's last id if it exists: an earlier attempt wrote it.
+        With `resumed` (what that stream holds, which this execution goes on from), the stream continues: `start`,
+        then this execution's tokens, and the first write checks that the stream still holds `top_id`. Without,
+        this execution replaces the stream and begins with `restart`."""
         top_ms = stream_id_ms(top_id)
         base_ms = max(int(time.time() * 1000), (top_ms or 0) + 1)
-        attempt = self._attempts[execution_id] = _Attempt(job_id, execution_id, base_ms, replace=top_ms is not None)
-        if attempt.replace:
+        replace = top_ms is not None and resumed is None
+        attempt = self._attempts[execution_id] = _Attempt(job_id, execution_id, base_ms, replace=replace)
+        if replace:
             attempt.add(StreamEvent(type="restart", execution_id=execution_id))
+        if resumed is not None:
+            attempt.written_to = as_text(top_id)
+            attempt.text = {choice: [text] for choice, text in resumed.text.items()}
+            attempt.token_ids = {choice: list(p.token_ids) for choice, p in resumed.progress.items()}
+            attempt.prompt_usage = resumed.prompt_usage
         attempt.add(StreamEvent(type="start", execution_id=execution_id))
         attempt.ttl = attempt.start_ttl = ttl_arg(ttl)
 

@@ -270,9 +270,10 @@ class JobWorker(BaseJobWorker):
 
     def _requeue_in_flight(self) -> None:
         in_flight = list(self.jobs)
+        self.streams.flush(force=True)  # what was generated is written: the next attempt goes on from it
         for f in in_flight:
             self.engine.abort(f.id)
-            self.streams.discard(f.id)  # the next attempt starts the stream again
+            self.streams.discard(f.id)
         requeue(self, in_flight)
         self.jobs.clear()
 
