@@ -2,7 +2,8 @@
 under the request's id.
 
 `expand` names the sequences (`<id>#choice<i>`) and gives each its sampling: choice 0 keeps the request's seed,
-choice i a seed derived from it, so a seeded request gets the same n answers wherever it runs. All n join
+choice i a seed derived from it, and the sampler keys each draw by that seed and the output position
+(workers/engine/sampling.py), so a seeded request gets the same n answers wherever it runs. All n join
 the scheduler together, so the prompt's full blocks are computed by one and found in the prefix cache by the
 others. `merge` turns their outputs back into the request's: each output names its `choice`; a choice that
 ends while others still run reports no finish reason yet, and the output of the last one to end carries every

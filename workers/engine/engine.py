@@ -85,38 +85,33 @@ class Engine:
         prompt_ids = self.tokenize(request)
         self._check_servable(prompt_ids, request)
         sequences = self.choices.expand(request_id, request)  # one per choice (n) or candidate (best_of)
-        for i, (sequence_id, _) in enumerate(sequences):
-            try:
-                self.grammars.admit(sequence_id, request)
-            except RequestError:
-                for admitted, _ in sequences[:i]:
-                    self.grammars.forget(admitted)
-                raise
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        requests = []
-        for sequence_id, sampling in sequences:
-            seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival, service_class=class_of(request),
-                           urgency=urgency_of(request), tenant=request.tenant)
-            detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
-            requests.append(_Request(seq, detok, logprobs=None if sampling.logprobs is None else []))
+        requests, ends = [], []  # ends: the reason of a choice that had ended in the earlier attempt
         try:
-            for index, prior in (progress or {}).items():
-                if prior.token_ids and index < len(requests):
-                    self._restore(requests[index], prior)
+            for i, (sequence_id, sampling) in enumerate(sequences):
+                self.grammars.admit(sequence_id, request)
+                prior = (progress or {}).get(i)
+                seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival,
+                               service_class=class_of(request), urgency=urgency_of(request), tenant=request.tenant,
+                               resumed_token_ids=prior.token_ids if prior else None)
+                detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
+                req = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
+                requests.append(req)
+                ends.append(self._restore(req, prior) if prior and prior.token_ids else None)
         except RequestError:
             for sequence_id, _ in sequences:
                 self.grammars.forget(sequence_id)
             raise
-        for req in requests:
+        for req, end in zip(requests, ends):
             self._requests[req.seq.request_id] = req
             self.sampler.admit(req.seq)
-            if req.seq.finish_reason is None:
+            if end is None:
                 self.scheduler.add(req.seq)
         self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences], request.sampling)
-        for req in requests:
-            if req.seq.finish_reason is not None:
+        for req, end in zip(requests, ends):
+            if end is not None:
                 req.delta_text = req.detokenizer.flush()  # what the earlier attempt still held back
-                self._ready.append(self._finish(req, req.seq.finish_reason))
+                self._ready.append(self._finish(req, end))
 
     def has_work(self) -> bool:
         return bool(self._ready) or self.scheduler.has_work()
@@ -230,22 +225,22 @@ class Engine:
         except Exception as exc:  # noqa: BLE001  (a template that raises on this conversation: jinja's own errors)
             raise RequestError(f"model {self.loaded.name!r}'s chat template refused the messages: {exc}") from None
 
-    def _restore(self, req: _Request, prior: Progress) -> None:
-        """Bring a new sequence to where an earlier attempt left it: its tokens as generated, replayed through the
-        detokenizer (stop strings) and the grammar; its finish reason set if it had already ended there."""
+    def _restore(self, req: _Request, prior: Progress) -> str | None:
+        """Bring a new sequence's helpers to where an earlier attempt left it: its generated tokens replayed through
+        the detokenizer (stop strings) and the grammar, its logprobs kept. Returns the finish reason if it had
+        already ended there."""
         seq = req.seq
-        seq.token_ids.extend(prior.token_ids)
         for token in prior.token_ids:
             req.detokenizer.push(token)
         if req.logprobs is not None:
             req.logprobs.extend(prior.logprobs or [])
         grammar_complete = self.grammars.advance(seq)
-        last = prior.token_ids[-1]
-        if req.detokenizer.stopped or grammar_complete or (last in self.loaded.eos_token_ids
-                                                            and not seq.sampling.ignore_eos):
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+        eos = prior.token_ids[-1] in self.loaded.eos_token_ids and not seq.sampling.ignore_eos
+        if req.detokenizer.stopped or grammar_complete or eos:
+            return "stop"
+        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _check_servable(self, prompt_ids: list[int], request: GenerationRequest) -> None:
         if not prompt_ids:

@@ -1,7 +1,13 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, the penalties, logit_bias and seeds.
 
-Every request draws from its own generator, so a seeded request gets the same tokens whatever
-else shares its batch.
+A draw is keyed by position: the uniform behind a sequence's token at output position i is Philox4x32-10's
+output for key = the sequence's seed and counter = i, with no state carried between steps. A request's choice
+i samples with its own seed (workers/engine/choices.py), so a draw depends on (seed, choice, position) alone: a
+seeded request gets the same tokens alone or in any batch, in any row order, and across a resume, where the
+sequence comes back holding its earlier tokens and so continues at the same position. A sequence without a seed
+gets a random one the first time the sampler sees it, kept for its life (the worker gives every job one derived
+from its job id, so that a resume continues the same draws: workers/job_worker/resume.py). The token is then picked by inverse CDF over the filtered
+probabilities, one batched cumsum and searchsorted for every sampled row.
 
 Before the draw (greedy's argmax included), a sequence's logits may be changed, in this order: the repetition
 penalty (multiplicative, as in transformers), OpenAI's frequency and presence penalties over the *generated*
@@ -16,6 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batcher.scheduler.sequence import Sequence
@@ -73,6 +80,53 @@ def top_k_top_p_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     return probs, order
 
 
+PHILOX_ROUNDS = 10
+PHILOX_MULTIPLIERS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+PHILOX_KEY_STEPS = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))  # the key's Weyl increments between rounds
+WORD_BITS = np.uint64(32)
+WORD_MASK = np.uint64(0xFFFFFFFF)
+KEY_MODULUS = 1 << 64  # a seed is any int64 or uint64 (batcher.schema); its two's complement is the key
+RANDOM_SEED_BITS = 63  # an unseeded sequence's seed, as choices' seeds are drawn (mod 2**63)
+UNIFORM_HIGH_BITS, UNIFORM_LOW_BITS = 27, 26  # a float64's 53-bit mantissa: the top bits of two output words
+
+
+def philox4x32(counter: tuple[np.ndarray, ...], key: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 (Salmon et al. 2011, as Random123 and cuRAND have it), vectorised: four counter words and two
+    key words, each a uint64 array of 32-bit values, one element per draw; returns the four output words. A
+    32-bit product fits a uint64, so its high word is a shift."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for round_ in range(PHILOX_ROUNDS):
+        if round_:
+            k0, k1 = (k0 + PHILOX_KEY_STEPS[0]) & WORD_MASK, (k1 + PHILOX_KEY_STEPS[1]) & WORD_MASK
+        p0, p1 = PHILOX_MULTIPLIERS[0] * c0, PHILOX_MULTIPLIERS[1] * c2
+        c0, c1, c2, c3 = (p1 >> WORD_BITS) ^ c1 ^ k0, p1 & WORD_MASK, (p0 >> WORD_BITS) ^ c3 ^ k1, p0 & WORD_MASK
+    return c0, c1, c2, c3
+
+
+def position_uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """Uniforms in [0, 1), element j a function of (seeds[j], positions[j]) alone: Philox keyed by the seed, at
+    counter (position, 0, 0, 0)."""
+    keys = np.array([seed % KEY_MODULUS for seed in seeds], dtype=np.uint64)
+    zeros = np.zeros(len(seeds), dtype=np.uint64)
+    words = philox4x32((np.array(positions, dtype=np.uint64), zeros, zeros, zeros),
+                       (keys & WORD_MASK, keys >> WORD_BITS))
+    high = words[0] >> (WORD_BITS - np.uint64(UNIFORM_HIGH_BITS))
+    low = words[1] >> (WORD_BITS - np.uint64(UNIFORM_LOW_BITS))
+    return (high * (1 << UNIFORM_LOW_BITS) + low) / (1 << (UNIFORM_HIGH_BITS + UNIFORM_LOW_BITS))
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs [R, V]`, the first index whose cumulative mass exceeds `uniforms[r]` times the row's total.
+    A zero-probability index adds no mass, so it is never the first to exceed; the target is kept below the
+    total, which a uniform rounded up to 1.0 in float32 would reach."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    below_total = total.nextafter(torch.zeros_like(total))
+    target = torch.minimum(uniforms.to(cdf.dtype).unsqueeze(1) * total, below_total)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
 @dataclass(frozen=True)
 class _Adjustment:
     """What changes a sequence's logits before the draw; the bias as tensors, built once at `admit`."""
@@ -93,12 +147,14 @@ def adjusts_logits(sampling: SamplingParams) -> bool:
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
+        self._random_seeds: dict[str, int] = {}  # by request id: the seeds drawn for sequences without one
         self._adjusted: dict[str, _Adjustment] = {}  # by request id: the sequences whose logits change
 
     def admit(self, seq: Sequence) -> None:
-        """Note a sequence joining the engine (before its first step): whether its logits change before the draw."""
+        """Note a sequence joining the engine (before its first step): its seed, drawn if it has none, and whether
+        its logits change before the draw."""
         sampling = seq.sampling
+        self._seed(seq)
         if not adjusts_logits(sampling):
             return
         bias = None
@@ -108,15 +164,17 @@ class Sampler:
         self._adjusted[seq.request_id] = _Adjustment(sampling, bias)
 
     def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._random_seeds.pop(request_id, None)
         self._adjusted.pop(request_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        gen = self._generators.get(seq.request_id)
-        if gen is None:
-            seed = seq.sampling.seed if seq.sampling.seed is not None else random.getrandbits(63)
-            gen = self._generators[seq.request_id] = torch.Generator(self.device).manual_seed(seed)
-        return gen
+    def _seed(self, seq: Sequence) -> int:
+        """The sequence's seed, or the one drawn when the sampler first saw it: the same for the sequence's life."""
+        if seq.sampling.seed is not None:
+            return seq.sampling.seed
+        seed = self._random_seeds.get(seq.request_id)
+        if seed is None:
+            seed = self._random_seeds[seq.request_id] = random.getrandbits(RANDOM_SEED_BITS)
+        return seed
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Apply the penalties and biases of the admitted sequences among `seqs`, in place (row i is `seqs[i]`)."""
@@ -154,7 +212,8 @@ class Sampler:
             torch.tensor([p.top_k for p in params], device=logits.device),
             torch.tensor([p.top_p for p in params], device=logits.device),
         )
-        for j, i in enumerate(rows):
-            pick = torch.multinomial(probs[j], 1, generator=self._generator(seqs[i]))
-            tokens[i] = int(order[j, pick])
+        uniforms = position_uniforms([self._seed(seqs[i]) for i in rows], [seqs[i].num_output_tokens for i in rows])
+        picks = inverse_cdf(probs, torch.from_numpy(uniforms).to(logits.device))
+        for i, token in zip(rows, order.gather(1, picks.unsqueeze(1)).squeeze(1).tolist()):
+            tokens[i] = token
         return tokens
