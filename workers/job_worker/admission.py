@@ -159,6 +159,9 @@ class Admission:
             _check_deadline(request)
             self.engine.add(f.id, with_job_seed(request, f.job.id), arrival_time=f.admitted_at,
                             progress=resumed.progress if resumed else None)
+            if resumed is not None and resumed.progress:
+                log.info("job %s goes on from the %d tokens its stream holds", f.job.id,
+                         sum(len(p.token_ids) for p in resumed.progress.values()))
             if request.timeout_s is not None:
                 f.timeout_at = f.admitted_at + request.timeout_s
         except (InvalidJob, RequestError) as exc:
