@@ -136,8 +136,10 @@ class Client:
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[StreamEvent]:
         """Yield the job's events from the start until `done` or `error` (blocking reads).
 
-        After a `restart`, only events of the restart's execution are yielded, so a reader never mixes
-        the text of a lost attempt with the new one. A job that ends without a terminal event (one that
+        A job rerun after a crash goes on where its stream stopped: its new execution's `start` and next tokens
+        follow, and the text runs on. After the rare `restart` (a stream that could not be continued), only events
+        of the restart's execution are yielded and the text starts over; a reader never mixes the text of a lost
+        attempt with the new one. A job that ends without a terminal event (one that
         expired while queued) ends the stream with one inferred from its status. Redis outages after the
         start are waited out."""
         self.connection.ping()  # Redis unreachable from the start is an error at once; later outages are waited out
