@@ -13,6 +13,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DTYPE = "auto"  # the fastest dtype the device has, measured at start-up (workers.model.precision)
 DEFAULT_DEVICE = "auto"
 DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash per filled block
+# bf16 on our CPU kernels: a request's tokens do not depend on what else runs (docs/batch-invariance.md)
+DEFAULT_BATCH_INVARIANT = True
 ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU = "auto", "torch", "triton", "cpu"
 ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU)
 DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, cpu for bf16 on an AVX-512 BF16 CPU, else torch
@@ -41,6 +43,7 @@ class EngineConfig:
     policy: Policy = "continuous"
     compile: bool = False  # torch.compile the forward of small steps: faster steps, a slower start
     prefix_caching: bool = DEFAULT_PREFIX_CACHING
+    batch_invariant: bool = DEFAULT_BATCH_INVARIANT  # bf16 on a CPU where kernels.native runs; fp32 always is
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     min_batch_share: float = DEFAULT_MIN_BATCH_SHARE
     step_time_target: float = DEFAULT_STEP_TIME_TARGET_S  # seconds; 0 turns the target off

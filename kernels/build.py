@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # Limits the C++ shares (kernels/csrc/common.h), passed as compile flags so the two cannot disagree.
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
-TILE_MAX_ROWS = 32  # rows of x that tile_linear takes (two AMX tiles of 16)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
 FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
 
@@ -77,7 +76,7 @@ BF16 = Build("bf16", "batcher_cpu_kernels",
              ("common.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-              f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}", f"-DTILE_MAX_ROWS={TILE_MAX_ROWS}",
+              f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 FP32 = Build("fp32", "batcher_fp32_kernels",
              ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),

@@ -3,10 +3,11 @@
 Two builds, each for the CPUs whose instructions it uses. On a CPU with AVX-512 BF16 (`BF16`), they take
 the places of a bf16 step where torch's own kernels fall short:
 - decode attention (`paged_decode`): one call per layer reads every decode's keys straight from the paged
-  cache;
+  cache, in the arithmetic of the AVX-512 prefill kernel (a query gets the same bits from either);
 - linear layers at few rows, which must stream every weight once: `small_linear` (AVX-512, up to 4 rows, on the
   plain weight) and `tile_linear` (up to 32, on a copy of the weight in AMX's tile order: AMX tile products
-  where the CPU has AMX, else AVX-512 BF16 products);
+  where the CPU has AMX, else AVX-512 BF16 products); batch invariant, `tile_linear` takes every row count
+  (docs/batch-invariance.md);
 - prefill attention (`prefill`: on AMX tiles where the CPU has them, else on AVX-512 BF16), where torch's flash
   kernel spends most of its time outside the matmuls;
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
@@ -61,13 +62,13 @@ from kernels.build import (  # noqa: F401  (what each build is made of; callers 
     FP32_LINEAR_MAX_ROWS,
     LINEAR_MAX_ROWS,
     MAX_QUERY_HEADS_PER_KV_HEAD,
-    TILE_MAX_ROWS,
     Build,
 )
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_HEAD_DIMS = (64, 128)  # of every attention kernel
+TILE_MAX_ROWS = 32  # rows up to which tile_linear beats oneDNN's packed kernels (it takes any number)
 TILE_COLUMNS = 16  # output columns of a block of tile_pack's layout (the blocks of a weight lie in order)
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what the AMX kernels need besides the bf16 build's flags
 
@@ -179,19 +180,21 @@ def tile_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """`x @ weight.T + bias` for x of at most TILE_MAX_ROWS rows, `packed` from `tile_pack(weight)`: on AMX where
-    it runs (`amx_linear`), else on AVX-512 BF16 (`avx512_linear`, 1.04-1.45x oneDNN's packed kernels at 2-32
-    rows on an AMD EPYC Zen 5)."""
+    """`x @ weight.T + bias`, `packed` from `tile_pack(weight)`: on AMX where it runs (`amx_linear`), else on
+    AVX-512 BF16 (`avx512_linear`, 1.04-1.45x oneDNN's packed kernels at 2-32 rows on an AMD EPYC Zen 5). Any
+    number of rows, each summed in one order whatever the rows beside it (batch invariance)."""
     kernel = load().amx_linear if has_amx() else load().avx512_linear
     return kernel(x, packed, bias, out_features)
 
 
 def prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-            ctx_start: int, block_size: int, scaling: float) -> torch.Tensor:
+            ctx_start: int, block_size: int, scaling: float, batch_invariant: bool = False) -> torch.Tensor:
     """Causal bf16 attention of a prompt chunk `query [n, H, D]` at positions `ctx_start...` over its sequence's
     keys in the paged cache, `block_table` covering all `ctx_start + n` of them (the chunk's own included:
-    write them first). On AMX where it runs (`amx_prefill`), else on AVX-512 BF16 (`avx512_prefill`)."""
-    kernel = load().amx_prefill if has_amx() else load().avx512_prefill
+    write them first). On AMX where it runs (`amx_prefill`), else on AVX-512 BF16 (`avx512_prefill`), whose
+    arithmetic `paged_decode` shares: `batch_invariant` takes it on AMX too, so a query gets the same bits as a
+    decode and in a chunk."""
+    kernel = load().amx_prefill if has_amx() and not batch_invariant else load().avx512_prefill
     return kernel(query, k_cache, v_cache, block_table, ctx_start, block_size, scaling)
 
 

@@ -64,6 +64,10 @@ def engine_options(func):
                      show_default=True, help="torch.compile the forward of steps of up to --max-num-seqs tokens: "
                      "faster decode steps, after a start-up of tens of seconds per token-count bucket."),
         prefix_caching_option,
+        click.option("--batch-invariant/--no-batch-invariant", default=c.DEFAULT_BATCH_INVARIANT,
+                     envvar="BATCHER_BATCH_INVARIANT", show_default=True,
+                     help="bf16 on batcher's CPU kernels: a request's tokens do not depend on what else runs "
+                          "(docs/batch-invariance.md)."),
         click.option("--min-batch-share", type=click.FloatRange(0, 1), default=c.DEFAULT_MIN_BATCH_SHARE,
                      envvar="BATCHER_MIN_BATCH_SHARE", show_default=True,
                      help="Fraction of the slots batch work keeps under any load of interactive work."),
@@ -74,7 +78,7 @@ def engine_options(func):
     ]
     names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
              "kv_cache_bytes", "max_model_len", "dtype", "attention_backend", "device", "compile", "prefix_caching",
-             "min_batch_share", "step_time_target"]
+             "batch_invariant", "min_batch_share", "step_time_target"]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

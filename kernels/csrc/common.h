@@ -13,7 +13,6 @@ namespace batcher {
 
 // Defined by kernels/native.py's compile flags, so Python and C++ cannot disagree.
 constexpr int kLinearMaxRows = LINEAR_MAX_ROWS;               // small_linear
-constexpr int kTileMaxRows = TILE_MAX_ROWS;                   // amx_linear, avx512_linear
 constexpr int kMaxGroup = MAX_QUERY_HEADS_PER_KV_HEAD;        // paged_decode
 
 inline void check_bf16(const torch::Tensor& t, const char* name) {

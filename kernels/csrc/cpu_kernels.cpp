@@ -4,7 +4,8 @@
 //
 // - paged_decode: one query token per sequence attends to its keys straight from the paged cache
 //   (through its block table: no gather, no padding, no mask), the query heads of a KV head reading
-//   each key and value once, with an online softmax; one call per layer for every decode of a step.
+//   each key and value once, with avx512_prefill's online softmax (the same bits for a query in either);
+//   one call per layer for every decode of a step.
 // - small_linear: x @ W.T + b for a few rows, streaming W once at the memory's pace (oneDNN's bf16
 //   kernels run at about two thirds of it at one row).
 //
@@ -19,6 +20,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "prefill.h"
 
 namespace {
 
@@ -27,21 +29,23 @@ using batcher::check_bf16;
 using batcher::exp_ps;
 using batcher::RowCursor;
 using batcher::transpose16;
+using batcher::prefill::KEYS;
 
-constexpr int TILE = 16;            // keys scored together: one vector of scores per query head
 constexpr int PREFETCH_BYTES = 8192;
-
-inline __m512 load_bf16_as_fp32(const uint16_t* p) {
-  return batcher::bf16_to_fp32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 inline uint16_t to_bf16(float x) { return c10::BFloat16(x).x; }  // round to nearest even
 
 // One sequence's query heads of one KV head: queries q[G][D], keys and values of `length` positions,
-// position i at cache row table[i / block_size] * block_size + i % block_size. Keys go 16 at a time: their
-// rows transposed into pairs of dimensions, so that one instruction scores 16 keys against a query pair.
+// position i at cache row table[i / block_size] * block_size + i % block_size.
+//
+// It runs the prefill kernels' arithmetic (prefill.h), so that a query's result is the same bits whether it
+// comes as a decode or in a prompt chunk (batch invariance, docs/batch-invariance.md): keys in steps of 32 from
+// position 0, each score a sum over dimension pairs in order, the step's weights by `weight_exp`, rounded to
+// bf16 and multiplied by the values in key pairs (`vdpbf16ps`), the running sum and maximum as there. Only the
+// layout differs: here a vector holds 16 keys of one query head (their rows transposed into pairs of dimensions,
+// so one instruction scores 16 keys against a query pair), and an output row's 16 dimensions.
 template <int D, int group>
 void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                  int64_t row_stride, const int64_t* table, int64_t length, int64_t block_size,
@@ -51,20 +55,20 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
   constexpr int VC = D / 16;    // fp32 vectors of an output row
   const int32_t* q_pairs[group];
   __m512 acc[group][VC];
-  float m[group], l[group];
+  __m512 m[group], l[group];  // every lane the same: the prefill kernels' per-position vectors, one lane used
   for (int g = 0; g < group; g++) {
     q_pairs[g] = reinterpret_cast<const int32_t*>(q + g * q_head_stride);
     for (int c = 0; c < VC; c++) acc[g][c] = _mm512_setzero_ps();
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
+    m[g] = _mm512_set1_ps(-INFINITY);
+    l[g] = _mm512_setzero_ps();
   }
-  alignas(64) float probs[group][TILE];
-  // The rows of this tile and of the next, whose lines are fetched ahead: a sequence's rows of one KV head
+  alignas(64) uint32_t weight_pairs[group][KEYS / 2];  // a step's weights in bf16, key pairs (2j low, 2j + 1 high)
+  // The rows of this step and of the next, whose lines are fetched ahead: a sequence's rows of one KV head
   // are strided and its blocks scattered, which the hardware prefetchers do not follow.
-  int64_t rows_now[TILE], rows_next[TILE];
+  int64_t rows_now[KEYS], rows_next[KEYS];
   RowCursor cursor{table, block_size};
-  auto next_tile = [&](int64_t t0, int64_t* rows) {
-    const int64_t n = std::min<int64_t>(TILE, length - t0);
+  auto next_step = [&](int64_t t0, int64_t* rows) {
+    const int64_t n = std::min<int64_t>(KEYS, length - t0);
     for (int t = 0; t < n; t++) {
       rows[t] = cursor.next();
       for (int line = 0; line < D * 2; line += 64) {
@@ -72,52 +76,69 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
         _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[t] * row_stride) + line, _MM_HINT_T0);
       }
     }
-    for (int64_t t = n; t < TILE; t++) rows[t] = rows[0];  // past the end: scored, then masked
+    for (int64_t t = n; t < KEYS; t++) rows[t] = rows[0];  // past the end: scored, then masked
   };
-  next_tile(0, rows_next);
-  const uint16_t* k_rows[TILE];
-  const uint16_t* v_rows[TILE];
-  for (int64_t t0 = 0; t0 < length; t0 += TILE) {
-    const int n = static_cast<int>(std::min<int64_t>(TILE, length - t0));
-    std::copy(rows_next, rows_next + TILE, rows_now);
-    if (t0 + TILE < length) next_tile(t0 + TILE, rows_next);
-    for (int t = 0; t < TILE; t++) {
-      k_rows[t] = k_cache + rows_now[t] * row_stride;
-      v_rows[t] = v_cache + rows_now[t] * row_stride;
+  next_step(0, rows_next);
+  // Two keys' value rows interleaved word by word (as prefill.h's pack_head lays them out): vector c holds
+  // dimensions 16c..16c+15, each a pair (even key's value, odd key's).
+  const __m512i first16 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i last16 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t0 = 0; t0 < length; t0 += KEYS) {
+    const int n = static_cast<int>(std::min<int64_t>(KEYS, length - t0));
+    std::copy(rows_next, rows_next + KEYS, rows_now);
+    if (t0 + KEYS < length) next_step(t0 + KEYS, rows_next);
+    __m512 s[group][2];  // scores of keys 0-15 and 16-31 of the step
+    for (int half_keys = 0; half_keys < 2; half_keys++) {
+      for (int g = 0; g < group; g++) s[g][half_keys] = _mm512_setzero_ps();
+      if (16 * half_keys >= n) continue;  // all hidden: masked below
+      for (int half = 0; half < PAIRS / 16; half++) {
+        __m512i rows[16], cols[16];
+        for (int t = 0; t < 16; t++)
+          rows[t] = _mm512_loadu_si512(k_cache + rows_now[16 * half_keys + t] * row_stride + 32 * half);
+        transpose16(rows, cols);
+        for (int j = 0; j < 16; j++)
+          for (int g = 0; g < group; g++)
+            s[g][half_keys] = _mm512_dpbf16_ps(s[g][half_keys],
+                                               (__m512bh)_mm512_set1_epi32(q_pairs[g][16 * half + j]),
+                                               (__m512bh)cols[j]);
+      }
     }
-    __m512 s[group];
-    for (int g = 0; g < group; g++) s[g] = _mm512_setzero_ps();
-    for (int half = 0; half < PAIRS / 16; half++) {
-      __m512i rows[16], cols[16];
-      for (int t = 0; t < TILE; t++) rows[t] = _mm512_loadu_si512(k_rows[t] + 32 * half);
-      transpose16(rows, cols);
-      for (int j = 0; j < 16; j++)
-        for (int g = 0; g < group; g++)
-          s[g] = _mm512_dpbf16_ps(s[g], (__m512bh)_mm512_set1_epi32(q_pairs[g][16 * half + j]), (__m512bh)cols[j]);
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 valid[2] = {static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1),
+                                static_cast<__mmask16>(n <= 16 ? 0 : n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1)};
     for (int g = 0; g < group; g++) {
-      const __m512 scaled = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[g], _mm512_set1_ps(scale));
-      const float m_new = std::max(m[g], _mm512_reduce_max_ps(scaled));
-      const float alpha = std::exp(m[g] - m_new);  // 0 on the first tile (m = -inf)
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(scaled, _mm512_set1_ps(m_new))));
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
-      _mm512_store_ps(probs[g], p);
-      const __m512 a = _mm512_set1_ps(alpha);
-      for (int c = 0; c < VC; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], a);
+      __m512 scaled[2], p[2];
+      for (int h = 0; h < 2; h++)
+        scaled[h] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[h], s[g][h], _mm512_set1_ps(scale));
+      const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(scaled[0], scaled[1]));
+      const __m512 m_new = _mm512_max_ps(m[g], _mm512_set1_ps(step_max));
+      const __m512 alpha = exp_ps(_mm512_sub_ps(m[g], m_new));  // ~0 on the first step (m = -inf)
+      for (int h = 0; h < 2; h++)
+        p[h] = _mm512_maskz_mov_ps(valid[h], batcher::prefill::weight_exp(_mm512_sub_ps(scaled[h], m_new)));
+      l[g] = _mm512_fmadd_ps(l[g], alpha, batcher::prefill::sum_lanes(_mm512_add_ps(p[0], p[1])));
+      _mm512_store_si512(weight_pairs[g], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+      for (int c = 0; c < VC; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], alpha);
       m[g] = m_new;
     }
-    for (int t = 0; t < n; t++) {
-      __m512 v[VC];
-      for (int c = 0; c < VC; c++) v[c] = load_bf16_as_fp32(v_rows[t] + 16 * c);
+    for (int kp = 0; kp < (n + 1) / 2; kp++) {  // pairs past the end weigh 0: the prefill kernels' products add 0
+      const uint16_t* even = v_cache + rows_now[2 * kp] * row_stride;
+      const uint16_t* odd = 2 * kp + 1 < n ? v_cache + rows_now[2 * kp + 1] * row_stride : nullptr;
+      __m512i v[VC];
+      for (int half = 0; half < D / 32; half++) {
+        const __m512i a = _mm512_loadu_si512(even + 32 * half);
+        const __m512i b = odd ? _mm512_loadu_si512(odd + 32 * half) : zero;
+        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+        v[2 * half] = _mm512_permutex2var_epi64(lo, first16, hi);
+        v[2 * half + 1] = _mm512_permutex2var_epi64(lo, last16, hi);
+      }
       for (int g = 0; g < group; g++) {
-        const __m512 p = _mm512_set1_ps(probs[g][t]);
-        for (int c = 0; c < VC; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[g][kp]));
+        for (int c = 0; c < VC; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, (__m512bh)v[c]);
       }
     }
   }
   for (int g = 0; g < group; g++) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[g]);
     for (int c = 0; c < VC; c++) {
       const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * out_head_stride + 16 * c), (__m256i)packed);

@@ -1,5 +1,6 @@
 // What the two bf16 prefill kernels share (amx_prefill.cpp on AMX tiles, avx512_prefill.cpp on AVX-512 BF16):
-// the checks and the copies of a chunk's inputs, and the online softmax of a step.
+// the checks and the copies of a chunk's inputs, and the online softmax of a step. The decode kernel
+// (cpu_kernels.cpp) runs avx512_prefill's arithmetic too, so a query gets the same bits from either.
 //
 // Both run flash attention the same way: 16 query positions of one head at a time walk the keys 32 at a time,
 // keeping a running maximum and sum per position. The scores of a step come out transposed (a vector per key
@@ -69,6 +70,17 @@ inline void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, int64_t 
       _mm512_storeu_si512(pair_row + (2 * half + 1) * KEY_TILE, _mm512_permutex2var_epi64(lo, last16, hi));
     }
   }
+}
+
+// The sum of a vector's 16 lanes, in every lane, in one fixed tree: lane k with lane k + 8, then k + 4, k + 2 and
+// k + 1. The decode kernel (cpu_kernels.cpp) sums a step's 32 weights so, lane k holding keys k and k + 16 added;
+// OnlineSoftmax sums its 32 vectors (a key each) in the same tree, so a query's running sum is the same bits in
+// either kernel.
+inline __m512 sum_lanes(__m512 x) {
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));  // 256-bit halves swapped: lane k ^ 8
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));  // 128-bit quarters swapped in pairs: k ^ 4
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));        // within each quarter: k ^ 2
+  return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));     // k ^ 1
 }
 
 // A chunk's inputs as both kernels read them: the queries per head, zero-padded to whole tiles of positions
@@ -172,16 +184,17 @@ struct OnlineSoftmax {
     }
     const __m512 m_new = _mm512_max_ps(m, step_max);  // finite: every position saw key 0, in step 0
     const __m512 alpha = exp_ps(_mm512_sub_ps(m, m_new));  // 0 on the first step (m = -inf)
-    __m512 sum = _mm512_setzero_ps();
-    for (int k = 0; k < KEYS; k += 2) {
-      __m512 p0 = weight_exp(_mm512_sub_ps(s[k], m_new)), p1 = weight_exp(_mm512_sub_ps(s[k + 1], m_new));
-      if (!seen_whole) {
-        p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[k], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p0);
-        p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[k + 1], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p1);
-      }
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      pairs[k / 2] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    __m512 p[KEYS];
+    for (int k = 0; k < KEYS; k++) {
+      p[k] = weight_exp(_mm512_sub_ps(s[k], m_new));
+      if (!seen_whole)
+        p[k] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[k], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p[k]);
     }
+    for (int k = 0; k < KEYS; k += 2)
+      pairs[k / 2] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[k + 1], p[k]));
+    for (int width = KEYS / 2; width >= 1; width /= 2)  // sum_lanes' tree: key k with k + 16, then k + 8, ...
+      for (int k = 0; k < width; k++) p[k] = _mm512_add_ps(p[k], p[k + width]);
+    const __m512 sum = p[0];
     l = _mm512_fmadd_ps(l, alpha, sum);
     m = m_new;
     return alpha;

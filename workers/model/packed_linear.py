@@ -14,6 +14,12 @@ decode) `small_linear` on the plain weight, and 2 to 32 rows `tile_linear` on a 
 out in AMX's tiles (AMX's products where the CPU has AMX, else AVX-512 BF16's). Both copies are laid end to end
 in the order the forward reads the weights.
 
+Batch invariant (`pack_linears(..., batch_invariant=True)`, `EngineConfig.batch_invariant`): every row count
+takes `tile_linear`, whose sum for each output runs over K in one order whatever the rows beside it, so a row's
+result does not depend on the step it is in (docs/batch-invariance.md). small_linear (one lone dot product per
+output, summed across a vector) and oneDNN (its own blocking, by row count) would each sum in another order;
+neither runs, and no oneDNN copy of the weights is made.
+
 A packed weight is an opaque oneDNN tensor that torch.compile cannot trace into: inside a compiled forward
 each call goes through the op `batcher::packed_linear`, which the compiler leaves alone.
 
@@ -44,11 +50,12 @@ def _on_small_linear(rows: int, small_rows: bool) -> bool:
     return small_rows and 0 < rows <= native.LINEAR_MAX_ROWS
 
 
-def _multiply(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor, tile_weight: torch.Tensor | None,
-              small_rows: bool, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + b` by the fastest kernel for x's rows (see the module's docstring)."""
+def _multiply(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,
+              tile_weight: torch.Tensor | None, small_rows: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + b` by the fastest kernel for x's rows, or, with no oneDNN copy (batch invariant), by tile_linear
+    at every row count (see the module's docstring)."""
     rows = x.numel() // weight.shape[1]
-    if _on_tiles(rows, tile_weight):
+    if packed_weight is None or _on_tiles(rows, tile_weight):
         return native.tile_linear(x, tile_weight, bias, weight.shape[0])
     if _on_small_linear(rows, small_rows):
         return native.small_linear(x, weight, bias)
@@ -56,7 +63,7 @@ def _multiply(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor
 
 
 @torch.library.custom_op("batcher::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor,
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,
                   tile_weight: torch.Tensor | None, small_rows: bool, bias: torch.Tensor | None) -> torch.Tensor:
     """`_multiply` as an op the compiler leaves alone (it cannot trace a packed weight)."""
     return _multiply(x, weight, packed_weight, tile_weight, small_rows, bias)
@@ -70,9 +77,9 @@ def _(x, weight, packed_weight, tile_weight, small_rows, bias):
 class PackedLinear(torch.nn.Linear):
     """An `nn.Linear` that multiplies by its packed weight (`pack_linears` turns a Linear into one), or, for
     few rows, on `kernels.native`'s kernels: by `tile_weight` (2 or more rows) or by its plain weight
-    (`small_rows`)."""
+    (`small_rows`). Batch invariant, it has no packed weight (None), and every row count takes `tile_weight`."""
 
-    packed_weight: torch.Tensor
+    packed_weight: torch.Tensor | None
     tile_weight: torch.Tensor | None
     small_rows: bool
 
@@ -83,14 +90,18 @@ class PackedLinear(torch.nn.Linear):
         return _multiply(x, *weights)  # the op's own dispatch costs for nothing here
 
 
-def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
+def pack_linears(model: torch.nn.Module, few_rows_native: bool = False, batch_invariant: bool = False) -> int:
     """Pack the weight of every `nn.Linear` in `model`, in place; returns how many were packed. With
-    `few_rows_native` (where `kernels.native` loads), inputs of few rows take its kernels."""
+    `few_rows_native` (where `kernels.native` loads), inputs of few rows take its kernels; `batch_invariant` (which
+    needs them) sends every row count to `tile_linear` instead, and packs no copy for oneDNN."""
+    if batch_invariant and not few_rows_native:
+        raise ValueError("batch-invariant linears run on kernels.native's tile_linear: few_rows_native must be set")
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     if not linears:  # packed already (a second engine on the same model)
         return 0
     for module in linears:
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        module.packed_weight = (None if batch_invariant
+                                else torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None))
         module.tile_weight = native.tile_pack(module.weight.detach()) if few_rows_native else None
         module.small_rows = few_rows_native
         module.__class__ = PackedLinear
@@ -104,11 +115,11 @@ def pack_linears(model: torch.nn.Module, few_rows_native: bool = False) -> int:
 
 class JointLinear:
     """Linears that read one input (a layer's q, k and v projections; gate and up) as one kernel call at a
-    decode step's few rows. `pack_linears` and `route_fp32_linears` lay their weights end to end, and the AMX
-    tile copies too, so those are one matrix already: this views them as one, with no copy. Each output is its
-    own dot product in those kernels, so the joint call gives each module's bits. At more rows, and where the
-    weights do not lie so, each module runs on its own. Returns one output per module (at few rows, views of
-    one)."""
+    decode step's few rows (batch invariant: at every row count). `pack_linears` and `route_fp32_linears` lay
+    their weights end to end, and the AMX tile copies too, so those are one matrix already: this views them as
+    one, with no copy. Each output is its own dot product in those kernels, so the joint call gives each module's
+    bits. At more rows, and where the weights do not lie so, each module runs on its own. Returns one output per
+    module (on one call, views of one)."""
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.modules = modules
@@ -119,6 +130,7 @@ class JointLinear:
         tiles_join = packed and all(module.tile_weight is not None
                                     and module.out_features % native.TILE_COLUMNS == 0 for module in modules)
         self.tile_weight = _one_matrix([module.tile_weight for module in modules]) if tiles_join else None
+        self.batch_invariant = packed and all(module.packed_weight is None for module in modules)
         biases = [module.bias for module in modules]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else module.weight.new_zeros(module.out_features)
@@ -130,8 +142,10 @@ class JointLinear:
             return [module(x) for module in self.modules]
         if self.fp32 and _on_fp32_linear(rows):
             return native.fp32_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-        if not self.fp32 and (_on_tiles(rows, self.tile_weight) or _on_small_linear(rows, True)):
-            return _multiply(x, self.weight, None, self.tile_weight, True, self.bias).split(self.sizes, dim=-1)
+        if self.tile_weight is not None and (self.batch_invariant or _on_tiles(rows, self.tile_weight)):
+            return native.tile_linear(x, self.tile_weight, self.bias, sum(self.sizes)).split(self.sizes, dim=-1)
+        if not self.fp32 and not self.batch_invariant and _on_small_linear(rows, True):
+            return native.small_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         return [module(x) for module in self.modules]
 
 

@@ -14,6 +14,10 @@ How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packe
 they run; the layers of a Llama-shaped model run fused (`workers.model.fused_decoder`) where those kernels load; with
 `EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a compiled forward
 (`workers.model.compiled_forward`), padded to a few token-count buckets.
+
+With `EngineConfig.batch_invariant` (the default), a bf16 step on `kernels.native` gives each row the same bits
+whatever else it holds: every linear on `tile_linear`, and decodes and prompt chunks in one attention arithmetic
+(docs/batch-invariance.md).
 """
 
 from __future__ import annotations
@@ -89,10 +93,18 @@ class ModelRunner:
         self.native_decode = backend == ATTENTION_CPU
         # the prefill kernels are bf16's; their head_dims are the decode kernel's
         self.native_prefill = self.native_decode and self.dtype == torch.bfloat16
+        # bf16 steps whose rows do not depend on each other: the linears on one kernel at every row count, and on AMX
+        # prompt chunks on the AVX-512 prefill kernel, whose arithmetic the decode kernel shares
+        self.batch_invariant = False
         if can_pack(self.device, self.dtype):
             few_rows_native = native.load() is not None
-            log.info("packed %d linear weights for oneDNN%s", pack_linears(self.model, few_rows_native),
-                     "; decode rows on the bf16 CPU kernels" if few_rows_native else "")
+            self.batch_invariant = config.batch_invariant and few_rows_native
+            packed = pack_linears(self.model, few_rows_native, self.batch_invariant)
+            if self.batch_invariant:
+                log.info("%d linears on the bf16 CPU kernels at every row count (batch invariant)", packed)
+            else:
+                log.info("packed %d linear weights for oneDNN%s", packed,
+                         "; decode rows on the bf16 CPU kernels" if few_rows_native else "")
         elif fp32_rows_native(self.device, self.dtype):
             log.info("%d fp32 linears take decode rows on the fp32 CPU kernel", route_fp32_linears(self.model))
         self.fused = FusedDecoder.of(self.model, self.device, self.dtype)
@@ -227,6 +239,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 decode_groups=decode_groups,
                 prefills=spans,
+                batch_invariant=self.batch_invariant,
             )
         if not sampling:
             last_rows = [len(input_ids) - 1]  # the LM head needs at least one row; its logits are unused
