@@ -77,8 +77,9 @@ def follow(job_id: str) -> Generator[Step, object, None]:
     """A job's events from the start until `done` or `error`, as a generator that yields what to read next
     (`Read`, `INFER_END`: send back the answer) and the events to pass on (send back None).
 
-    Only events of the execution that wrote the latest `start` or `restart` pass (`AttemptFilter`). A stream that goes quiet
-    is checked for an end its job never wrote; that end is passed on once one more read finds nothing new."""
+    Only events of the execution that wrote the latest `start` or `restart` pass (`AttemptFilter`). A stream that
+    goes quiet is checked for an end its job never wrote; that end is passed on once one more read finds nothing
+    new."""
     key = keys.stream_key(job_id)
     last_id, attempts = "0-0", AttemptFilter()
     while True:

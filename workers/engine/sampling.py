@@ -6,8 +6,8 @@ i samples with its own seed (workers/engine/choices.py), so a draw depends on (s
 seeded request gets the same tokens alone or in any batch, in any row order, and across a resume, where the
 sequence comes back holding its earlier tokens and so continues at the same position. A sequence without a seed
 gets a random one the first time the sampler sees it, kept for its life (the worker gives every job one derived
-from its job id, so that a resume continues the same draws: workers/job_worker/resume.py). The token is then picked by inverse CDF over the filtered
-probabilities, one batched cumsum and searchsorted for every sampled row.
+from its job id, so that a resume continues the same draws: workers/job_worker/resume.py). The token is then
+picked by inverse CDF over the filtered probabilities, one batched cumsum and searchsorted for every sampled row.
 
 Before the draw (greedy's argmax included), a sequence's logits may be changed, in this order: the repetition
 penalty (multiplicative, as in transformers), OpenAI's frequency and presence penalties over the *generated*
