@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from batcher.client import Client
 from batcher.jobs import keys
 from batcher.schema import GenerationRequest, SamplingParams
-from tests.jobs_support import wait_for
+from tests.jobs_support import continued_text, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 WORKER_READY_S = 120  # loading torch and the model, on a busy 2-core machine
@@ -143,8 +143,8 @@ def test_a_sigkilled_workers_jobs_finish_on_another_within_30s_then_sigterm_drai
         killed_at = time.monotonic()
         killed = running_on_first()  # the worker is gone: these stay "started" until their leases run out
         assert killed, "the first worker had no job in flight when it was killed"
-        # A job taken just before the kill may not have flushed any event yet: its rerun has nothing to
-        # take back, so it starts plainly. Every job that had streamed must begin again with `restart`.
+        # A job taken just before the kill may not have flushed any event yet: its rerun has nothing to go on
+        # from. Every job that had streamed goes on from its stream: two executions, one uninterrupted text.
         streamed = [j for j in killed if connection.exists(keys.stream_key(j))]
         assert streamed, "no killed job had streamed anything"
 
@@ -156,8 +156,9 @@ def test_a_sigkilled_workers_jobs_finish_on_another_within_30s_then_sigterm_drai
             assert [r.type for r in results] == [Result.Type.SUCCESSFUL]
         for job_id in killed:
             stream = list(client.stream(job_id))
-            assert stream[0].type == ("restart" if job_id in streamed else "start") and stream[-1].type == "done"
-            assert len({e.execution_id for e in stream}) == 1
+            assert (stream[0].type, stream[-1].type) == ("start", "done")
+            assert len({e.execution_id for e in stream}) == (2 if job_id in streamed else 1)
+            assert continued_text(stream) == client.result(job_id).text
 
         # Drain: the first SIGTERM stops admission; the jobs in flight finish; the worker exits 0.
         in_flight = client.submit_many([greedy(450, prompt="drain me") for _ in range(4)])

@@ -127,7 +127,7 @@ def run_failovers(tmp_path, model_dir, kills: int, rng: random.Random) -> list[d
                             "submits_again_s": round(submits_again_s, 1),
                             "completes_again_s": round(completes_again_s, 1)})
         producer.stop()
-        # every acknowledged job finished once; its stream after its last `restart` is its whole text, no gap
+        # every acknowledged job finished once; its stream (after a `restart`, if any) is its whole text, no gap
         rerun = check_exactly_once(client.connection, client, [job_id for _, job_id in producer.acknowledged])
         for (name, process), log in zip(workers, logs):
             assert process.poll() is None, f"worker {name} exited: {log.read_text()[-2000:]}"

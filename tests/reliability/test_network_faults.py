@@ -40,8 +40,9 @@ def submit(client: Client, n: int, tokens: int = TOKENS) -> list[str]:
 
 
 def check_exactly_once(connection, client: Client, ids: list[str], timeout: float = 180) -> int:
-    """Every job finished once, and its stream after the last `restart` is one execution's events, each once,
-    whose text is the result's. Return how many jobs were rerun (their stream has a `restart`)."""
+    """Every job finished once, and its stream after the last `restart` (if any) is one text, each token once, whose
+    text is the result's; once the result's execution began (its `start`), no other execution wrote. Return how
+    many jobs were rerun (their stream holds more than one execution, or a `restart`)."""
     rerun = 0
     for job_id in ids:
         result = client.result(job_id, timeout=timeout)
@@ -50,9 +51,11 @@ def check_exactly_once(connection, client: Client, ids: list[str], timeout: floa
         assert [r.type for r in job.results()] == [Result.Type.SUCCESSFUL], job_id
         stream = events(connection, job_id)
         restarts = [i for i, e in enumerate(stream) if e.type == "restart"]
-        rerun += bool(restarts)
+        rerun += bool(restarts) or len({e.execution_id for e in stream if e.type == "start"}) > 1
         tail = stream[restarts[-1] if restarts else 0:]
-        assert {e.execution_id for e in tail} == {job.latest_result().execution_id}, job_id  # no stale writer
+        latest = job.latest_result().execution_id
+        begun = next(i for i, e in enumerate(tail) if e.type == "start" and e.execution_id == latest)
+        assert {e.execution_id for e in tail[begun:]} == {latest}, job_id  # no stale writer
         tokens = [e for e in tail if e.type == "token"]
         assert [e.index for e in tokens] == [sum(len(t.token_ids) for t in tokens[:i]) for i in range(len(tokens))]
         assert "".join(e.text for e in tokens) == result.text
