@@ -127,8 +127,14 @@ def test_systems_are_named_as_on_the_command_line():
     assert System.parse("batcher:continuous").without_prefix_caching().name == "batcher:continuous:no-prefix-caching"
     assert System.parse("hf-cb:no-prefix-caching") == System("hf-cb").without_prefix_caching()
     assert System("hf-naive").without_prefix_caching().name == "hf-naive"
+    plain = System.parse("batcher:static:no-prefix-caching:no-batch-invariant@redis")
+    assert plain == System("batcher", "static", True, False, batch_invariant=False)
+    assert plain.name == "batcher:static:no-prefix-caching:no-batch-invariant@redis"
+    assert not plain.engine_config(EngineConfig()).batch_invariant
+    assert System.parse("batcher:static").engine_config(EngineConfig()).batch_invariant
     for bad in ("vllm", "batcher:eager", "hf-cb@redis", "batcher:static@redis@redis", "hf-naive:no-prefix-caching",
-                "batcher:continuous@redis:no-prefix-caching"):
+                "batcher:continuous@redis:no-prefix-caching", "hf-cb:no-batch-invariant",
+                "batcher:static:no-batch-invariant:no-prefix-caching"):
         with pytest.raises(ValueError, match=f"unknown {bad}"):
             System.parse(bad)
     shared = EngineConfig(policy="continuous", block_size=8)
