@@ -31,12 +31,18 @@ def random_prompts(n, seed=0, min_len=1, max_len=40, vocab=384):
 
 def run_all(engine: Engine) -> dict:
     """Step until idle; return the final output of every request."""
-    finals = {}
+    return run_counting_preemptions(engine)[0]
+
+
+def run_counting_preemptions(engine: Engine) -> tuple[dict, int]:
+    """Step until idle; return the final output of every request, and how many preemptions the steps made."""
+    finals, preempted = {}, 0
     while engine.has_work():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-    return finals
+        preempted += engine.last_step.num_preempted
+    return finals, preempted
 
 
 def reference_tokens(model_dir, prompt_ids, max_tokens) -> list[int]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import native
-from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
+from tests.engine_helpers import engine_for, greedy, random_prompts, run_all, run_counting_preemptions
 from tests.paged_cache import scattered_cache
 from tests.tiny_models import build_tiny_model
 
@@ -140,12 +140,7 @@ def test_a_preempted_request_recomputes_the_same_tokens(model_dir, dtype):
     engine.add("target", greedy(target, MAX_TOKENS))
     for i, prompt in enumerate(others):
         engine.add(f"other{i}", greedy(prompt, 30))
-    preempted, finals = 0, {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        preempted += engine.last_step.num_preempted
+    finals, preempted = run_counting_preemptions(engine)
     assert preempted > 0
     assert_same((finals["target"].token_ids, torch.stack(logits)), alone, dtype)
 

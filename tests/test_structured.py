@@ -12,7 +12,7 @@ import pytest
 
 from batcher.constraints import INT_MAX, INT_MIN, NUMBER_DIGITS
 from batcher.schema import GenerationRequest, SamplingParams
-from tests.engine_helpers import engine_for, random_prompts, run_all
+from tests.engine_helpers import engine_for, random_prompts, run_all, run_counting_preemptions
 from workers.engine import structured
 from workers.engine.api import RequestError
 
@@ -71,12 +71,7 @@ def test_a_preempted_constrained_sequence_recomputes_to_the_same_answer(tiny_mod
         engine = engine_for(tiny_model_dir(), **knobs)
         for i, prompt in enumerate(prompts):
             engine.add(str(i), json_request(prompt, WORDS, max_tokens=40, temperature=0.8, seed=i))
-        preempted, finals = 0, {}
-        while engine.has_work():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-            preempted += engine.last_step.num_preempted
+        finals, preempted = run_counting_preemptions(engine)
         answers[name] = {k: (v.token_ids, v.finish_reason) for k, v in finals.items()}
         if name == "preempting":
             assert preempted > 0

@@ -142,17 +142,23 @@ class Admission:
         for job, queue, tenant, execution, at in started:
             f = InFlight(job, queue, execution, admitted_at, worker.result_ttl(job), failure_ttl(job), tenant)
             cancelled, streamed = replies[at], replies[at + 1]
-            resumed = _resumable(job, streamed)
+            unreadable = _decode(f)
+            # what earlier attempts streamed, to go on from (None: a first attempt, or a stream that cannot go on)
+            resumed = None if not streamed or unreadable else read_resumable(
+                streamed, f.request.sampling.logprobs is not None)
             self.streams.begin(job.id, execution.id, streamed[-1][0] if streamed else None, f.result_ttl, resumed)
             admitted.append(f)
-            self._hand_over(f, cancelled, resumed)
+            if unreadable is not None:
+                f.ended("failed", reason=unreadable)
+            else:
+                self._hand_over(f, cancelled, resumed)
         return admitted
 
     def _hand_over(self, f: InFlight, cancelled: bool, resumed: Resumed | None) -> None:
-        """Decode a started job and add it to the engine (going on from what earlier attempts streamed, if any);
-        or end it at once with the reason it cannot run."""
+        """Add a started job's request to the engine (going on from what earlier attempts streamed, if any); or end
+        it at once with the reason it cannot run."""
         try:
-            request = f.request = decode_request(f.job)
+            request = f.request
             if cancelled:
                 f.ended("stopped", reason=CANCELLED_BEFORE_START)
                 return
@@ -171,16 +177,16 @@ class Admission:
             f.ended("failed", reason=f"{type(exc).__name__}: {exc}")
 
 
-def _resumable(job: Job, streamed: list) -> Resumed | None:
-    """What a rerun job's earlier attempts streamed, to go on from; None for a first attempt, a stream that cannot
-    be continued, or a job that cannot be decoded (it ends at once, after a `restart`)."""
-    if not streamed:
-        return None
+def _decode(f: InFlight) -> str | None:
+    """Decode a started job's request into `f.request`; the reason it cannot run if it cannot be read."""
     try:
-        request = decode_request(job)
-    except InvalidJob:
-        return None
-    return read_resumable(streamed, request.sampling.logprobs is not None)
+        f.request = decode_request(f.job)
+    except InvalidJob as exc:
+        return str(exc)
+    except Exception as exc:  # one bad job must not take the worker down
+        log.exception("job %s could not be decoded", f.job.id)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _check_deadline(request: GenerationRequest) -> None:
