@@ -13,26 +13,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from batcher import constraints
 from batcher.response_format import ResponseFormat
+from batcher.sampling_params import SamplingParams
 from batcher.tools import definitions as tool_defs
 from batcher.tools.definitions import Tool, ToolCall, ToolChoice
 from batcher.tools.grammar import tool_grammar
 
 MAX_PROMPT_BYTES = 1 << 20
 MAX_PROMPT_TOKEN_IDS = 1 << 17
-MAX_TOKENS_LIMIT = 1 << 15
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
 MAX_MESSAGES = 1024
 MAX_REQUEST_METADATA_ITEMS = 64  # a request's own metadata (a batch's, as OpenAI limits it: batches/batch_object.py)
 MAX_MODEL_NAME_CHARS = 256
 MAX_USER_CHARS = 256  # OpenAI's `user`: who the end user is, kept with the job
 MAX_CUSTOM_ID_CHARS = 512
-DEFAULT_MAX_TOKENS = 256
-MAX_TOP_LOGPROBS = 20
-MAX_CHOICES = 16
-MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no limit; a bound keeps one request from costing every step much
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: -100 bans a token, 100 makes it all but certain
-PENALTY_LIMIT = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's do
+MAX_EMBED_INPUTS = 2048  # OpenAI's limit of inputs in one embeddings request
+RESPONSE_ID_PATTERN = r"^resp_[A-Za-z0-9]{1,64}$"
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
@@ -48,71 +42,6 @@ class _Tolerant(BaseModel):
     can be upgraded before the clients that read them (a rolling upgrade)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class SamplingParams(_Strict):
-    """How to pick tokens and when to stop. `temperature=0` is greedy decoding."""
-
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1 << 20, description="0 turns top-k off")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64, description="any int64 or uint64, as clients send")
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
-    ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                 description="report each token's logprob and this many most likely alternatives")
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description="answers to generate for the prompt, each with its own seed")
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES,
-                                description="generate this many (at least n) and return the n whose tokens have the "
-                                            "highest mean logprob")
-    frequency_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT,
-                                     description="subtracted from a token's logit once per time it was generated")
-    presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT,
-                                    description="subtracted from a token's logit once if it was generated")
-    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES,
-                                         description="token id -> added to its logit, from -100 to 100")
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_stop_string(cls, value):
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings_sane(cls, value: list[str]) -> list[str]:
-        for s in value:
-            if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _biases_bounded(cls, value: dict[int, float]) -> dict[int, float]:
-        for token, bias in value.items():
-            if not 0 <= token < 1 << 31:
-                raise ValueError(f"token id {token} is not a token id (ids are in [0, 2**31))")
-            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-                raise ValueError(f"the bias of token {token} is {bias}; biases lie in [-100, 100]")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_covers_n(cls, value: int | None, info) -> int | None:
-        n = info.data.get("n", 1)
-        if value is not None and value < n:
-            raise ValueError(f"best_of ({value}) must be at least n ({n})")
-        return value
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def candidates(self) -> int:
-        """How many answers are generated: best_of when given, else n."""
-        return self.best_of or self.n
 
 
 class ChatMessage(_Strict):
@@ -141,6 +70,7 @@ class BatchItem(_Strict):
     id: str
     index: int = Field(ge=0)
     custom_id: str | None = Field(None, max_length=MAX_CUSTOM_ID_CHARS)
+    url: str | None = Field(None, description="the line's endpoint; None: chat for messages, completions otherwise")
 
 
 class GenerationRequest(_Strict):
@@ -173,6 +103,14 @@ class GenerationRequest(_Strict):
     parallel_tool_calls: bool = True
     user: str | None = Field(None, max_length=MAX_USER_CHARS, description="who the end user is (OpenAI's `user`)")
     echo: bool = Field(False, description="the answer's text begins with the prompt (a text prompt only)")
+    embed: list[str | list[int]] | None = Field(
+        None, min_length=1, max_length=MAX_EMBED_INPUTS,
+        description="texts or token ids to embed instead of generating: a prefill-only job, one vector each")
+    dimensions: int | None = Field(None, ge=1, description="embed: the vectors' length, where the model can shorten "
+                                                           "them (Matryoshka); None: the model's own")
+    background_response: str | None = Field(None, pattern=RESPONSE_ID_PATTERN,
+                                            description="the background response this job runs: its end is "
+                                                        "announced to its tenant's webhooks")
 
     @field_validator("deadline")
     @classmethod
@@ -252,6 +190,18 @@ class GenerationRequest(_Strict):
             return constraints.ANY_JSON_OBJECT
         return self.response_format.json_schema.schema_ or {}
 
+    def _check_embed(self) -> None:
+        """An embedding job reads its inputs and nothing that shapes generated text."""
+        for i, item in enumerate(self.embed):
+            if isinstance(item, str) and not item:
+                raise ValueError(f"embed[{i}] is an empty string")
+            if isinstance(item, list) and (not item or any(t < 0 or t >= 1 << 31 for t in item)):
+                raise ValueError(f"embed[{i}]: a list of token ids is not empty and each id is in [0, 2**31)")
+        shaping = [n for n in ("chat", "echo", "tools", "response_format", "regex", "choice")
+                   if getattr(self, n) not in (None, False)]
+        if shaping or self.sampling != SamplingParams():
+            raise ValueError(f"an embedding job takes no {', '.join(shaping) or 'sampling'}: it generates no text")
+
     @field_validator("prompt_token_ids")
     @classmethod
     def _token_ids_in_range(cls, value: list[int] | None) -> list[int] | None:
@@ -261,13 +211,18 @@ class GenerationRequest(_Strict):
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> GenerationRequest:
-        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        given = [n for n in ("prompt", "messages", "prompt_token_ids", "embed") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of prompt, messages or prompt_token_ids (got {len(given)})")
+            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids or embed (got {len(given)})")
+        if self.embed is not None:
+            self._check_embed()
+        elif self.dimensions is not None:
+            raise ValueError("dimensions goes with embed")
         if self.chat and self.prompt is None:
             raise ValueError("chat applies to a prompt only (messages are always chat)")
         size = len(self.prompt.encode("utf-8", "surrogatepass")) if self.prompt is not None else 0
         size += sum(len((m.content or "").encode("utf-8", "surrogatepass")) for m in self.messages or ())
+        size += sum(len(x.encode("utf-8", "surrogatepass")) for x in self.embed or () if isinstance(x, str))
         if size > MAX_PROMPT_BYTES:
             raise ValueError(f"the prompt is {size} bytes; the limit is {MAX_PROMPT_BYTES}")
         constrained = [n for n in ("regex", "choice") if getattr(self, n) is not None]
@@ -347,6 +302,8 @@ class GenerationResult(_Tolerant):
     model: str | None = None
     logprobs: list[TokenLogprob] | None = Field(None, description="one per token, when the request asked")
     choices: list[Choice] | None = Field(None, description="every answer, when the request asked for n > 1")
+    embeddings: list[str] | None = Field(None, description="embed: each input's vector in input order, base64 of "
+                                                           "little-endian float32 (OpenAI's base64 encoding)")
 
 
 StreamEventType = Literal["start", "token", "done", "error", "restart"]

@@ -257,3 +257,9 @@ def file_key(file_id: str) -> str:
 def file_chunks_key(file_id: str) -> str:
     """List: the file's bytes in upload order, in chunks of files.CHUNK_BYTES."""
     return file_key(file_id) + ":chunks"
+
+
+# ----- webhooks (batcher/webhooks) -----
+# A list of events waiting to become delivery jobs: each entry is JSON {"type", "id", "tenant", "created_at"},
+# pushed in the same transaction as the end it announces (a batch's, a background response's)
+WEBHOOK_OUTBOX = "batcher:webhooks:outbox"

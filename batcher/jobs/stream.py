@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Itera
 from dataclasses import dataclass
 
 from batcher.jobs import keys
-from batcher.schema import MAX_TOKENS_LIMIT, StreamEvent
+from batcher.sampling_params import MAX_TOKENS_LIMIT
+from batcher.schema import StreamEvent
 
 # Room for every token of the longest generation plus its other events; trimming only bounds
 # what a misbehaving writer could add.

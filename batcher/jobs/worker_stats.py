@@ -34,6 +34,9 @@ class WorkerStats:
     step_time_target_s: float = 0.0  # while urgent work is about (batcher/scheduler/step_budget.py); 0: none
     step_s: float = 0.0  # the engine's recent step time, measured (a moving average)
     vocab_size: int = 0  # its model's; the gateway refuses a logit_bias id past it (batcher/logit_bias.py); 0: unknown
+    tasks: str = "generate"  # what it serves, comma-separated: generate, embed (`--task`, or its model's config)
+    embedding_size: int = 0  # the length of its embeddings (its model's hidden size); 0: it does not embed
+    matryoshka_dimensions: str = ""  # other lengths it can shorten them to: "" none, "any", or a comma-separated list
 
     @property
     def heartbeat_age_s(self) -> float:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batcher.schema import MAX_TOP_LOGPROBS, TokenLogprob
+from batcher.sampling_params import MAX_TOP_LOGPROBS
+from batcher.schema import TokenLogprob
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's limit
 

@@ -27,7 +27,8 @@ from rq.serializers import JSONSerializer
 from batcher.client import Client
 from batcher.jobs.contract import JOB_FUNCTION
 from batcher.jobs.life import PICKLED_JOB_REASON, InvalidJob, decode_request
-from batcher.schema import MAX_PROMPT_BYTES, MAX_TOKENS_LIMIT
+from batcher.sampling_params import MAX_TOKENS_LIMIT
+from batcher.schema import MAX_PROMPT_BYTES
 from tests.jobs_support import wait_for
 from tests.reliability.support import fetch, greedy, prompt_pool, record, reference
 

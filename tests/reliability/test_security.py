@@ -22,7 +22,8 @@ from rq.serializers import JSONSerializer
 from batcher.client import Client, JobFailed, connect
 from batcher.jobs import keys
 from batcher.jobs.contract import JOB_FUNCTION
-from batcher.schema import MAX_PROMPT_BYTES, MAX_PROMPT_TOKEN_IDS, MAX_TOKENS_LIMIT, GenerationRequest
+from batcher.sampling_params import MAX_TOKENS_LIMIT
+from batcher.schema import MAX_PROMPT_BYTES, MAX_PROMPT_TOKEN_IDS, GenerationRequest
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.reliability.support import RedisServer, fetch, free_port, record
