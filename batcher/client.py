@@ -46,6 +46,7 @@ from batcher.jobs.life import TERMINAL_STATUSES
 from batcher.jobs.redis_retry import retry_while_unreachable
 from batcher.jobs.stream import Read, read_events
 from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
+from batcher.webhooks.outbox import dispatch_after
 
 __all__ = ["Client", "connect", "JobFailed", "JobNotFound", "QueueFull", "JobInfo", "Batch", "BatchNotFound",
            "BatchInputError", "Completion", "DEFAULT_MAX_QUEUE_LENGTH"]
@@ -184,7 +185,10 @@ class Client:
         """Cancel a job: a queued one never runs, a running one stops within one step (its partial text stays in
         its stream), and one whose worker was lost is not started again. False if the job had already ended."""
         job = self._fetch(job_id)
-        return job_life.cancel(self.connection, job, self._status(job), self.enqueuer.replica_wait)
+        cancelled = job_life.cancel(self.connection, job, self._status(job), self.enqueuer.replica_wait)
+        if cancelled:  # a queued background response's end was announced on the webhook outbox
+            dispatch_after(self.connection, f"the cancel of job {job_id}")
+        return cancelled
 
     def status(self, job_id: str) -> JobInfo:
         job = self._fetch(job_id)
@@ -212,12 +216,13 @@ class Client:
     def create_batch(self, lines: Iterable[str | bytes], *, endpoint: str | None = None,
                      completion_window: str = DEFAULT_COMPLETION_WINDOW, metadata: dict[str, str] | None = None,
                      owner: str | None = None, input_file_id: str | None = None, priority: int = 0,
-                     retention_s: int = DEFAULT_BATCH_RETENTION_S) -> Batch:
+                     retention_s: int = DEFAULT_BATCH_RETENTION_S, output_expires_s: int | None = None) -> Batch:
         """Create a batch from the lines of an OpenAI batch file, read as a stream and enqueued in chunks
-        (batcher/batches/ingest.py): a bad line becomes a failed request with its reason in the error file."""
+        (batcher/batches/ingest.py): a bad line becomes a failed request with its reason in the error file.
+        Its output and error files live `output_expires_s` from its end (None: as long as the batch)."""
         return ingest.create_batch(self.enqueuer, lines, endpoint=endpoint, completion_window=completion_window,
                                    metadata=metadata, owner=owner, input_file_id=input_file_id, priority=priority,
-                                   retention_s=retention_s)
+                                   retention_s=retention_s, output_expires_s=output_expires_s)
 
     def batch(self, batch_id: str, owner: str | None = None) -> Batch:
         """The batch, with its status and request counts. Raise BatchNotFound (also for another owner's)."""

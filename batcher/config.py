@@ -22,6 +22,9 @@ DEFAULT_STEP_TIME_TARGET_S = 0.2  # while urgent work is about (batcher/schedule
 DEFAULT_MIN_BATCH_SHARE = 0.25  # of the slots, kept by batch work under any load of more urgent work
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
+TASK_GENERATE, TASK_EMBED = "generate", "embed"
+TASKS = (TASK_GENERATE, TASK_EMBED)  # what a worker serves: generated text, and embeddings (prefill-only jobs)
+
 Policy = Literal["continuous", "static"]
 POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -47,6 +50,7 @@ class EngineConfig:
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     min_batch_share: float = DEFAULT_MIN_BATCH_SHARE
     step_time_target: float = DEFAULT_STEP_TIME_TARGET_S  # seconds; 0 turns the target off
+    tasks: tuple[str, ...] = ()  # of TASKS; empty: the model's nature (embedding model: embed, causal LM: generate)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
@@ -64,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if unknown := [t for t in self.tasks if t not in TASKS]:
+            raise ValueError(f"tasks are {', '.join(TASKS)}, got {', '.join(map(repr, unknown))}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -71,6 +71,7 @@ class BatchItem(_Strict):
     index: int = Field(ge=0)
     custom_id: str | None = Field(None, max_length=MAX_CUSTOM_ID_CHARS)
     url: str | None = Field(None, description="the line's endpoint; None: chat for messages, completions otherwise")
+    encoding_format: Literal["float", "base64"] | None = Field(None, description="an embeddings line's vector format")
 
 
 class GenerationRequest(_Strict):

@@ -2,8 +2,9 @@
 (`workers.bench.letter_engine`), plus the faults a test needs.
 
 Each request generates one token per step: token i of the output is `FIRST_TOKEN + i`, whose text is
-one letter. A prompt containing "boom" fails in its first step, the way the engine reports an
-exception inside one request's forward; a prompt of "too long" is refused by `add`.
+one letter; it serves embedding requests too (`workers.bench.letter_engine.letter_vector`: EMBEDDING_SIZE numbers
+from each input, and any shorter `dimensions`). A prompt containing "boom" fails in its first step, the way the
+engine reports an exception inside one request's forward; a prompt of "too long" is refused by `add`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ VOCAB_SIZE = 256  # what it publishes: its tokens are letters
 
 class FakeEngine(LetterEngine):
     def __init__(self, max_num_seqs: int = 4) -> None:
-        super().__init__(max_num_seqs, name="fake-model")
+        super().__init__(max_num_seqs, name="fake-model", embeds=True)
         self.added: list[str] = []
         self.resumed: dict[str, int] = {}  # request id -> the tokens it went on from
 

@@ -221,7 +221,7 @@ def test_batches_from_a_file_list_by_tenant_and_cancel(gateway):
 
 @pytest.mark.parametrize("body,param", [
     ({"endpoint": "/v1/chat/completions"}, "input_file_id"),
-    ({"input_file_id": "file-x", "endpoint": "/v1/embeddings"}, "endpoint"),
+    ({"input_file_id": "file-x", "endpoint": "/v1/moderations"}, "endpoint"),
     ({"input_file_id": "file-x", "endpoint": "/v1/completions", "priority": 1}, "priority"),
 ])
 def test_bad_batch_requests_answer_400(gateway, body, param):

@@ -178,7 +178,8 @@ def test_cli_submit_file_creates_a_batch_whose_bad_lines_are_failed_requests(fak
     client = Client(fake_redis, queue="files")
     assert Queue("files.batch", connection=fake_redis).job_ids == [keys.batch_job_id(batch_id, i) for i in (0, 3)]
     job = Job.fetch(keys.batch_job_id(batch_id, 3), connection=fake_redis, serializer=JSONSerializer)
-    assert job.args[0]["batch"] == {"id": batch_id, "index": 3, "custom_id": "r4"}
+    assert job.args[0]["batch"] == {"id": batch_id, "index": 3, "custom_id": "r4", "url": "/v1/completions",
+                                    "encoding_format": None}
     errors = [json.loads(line) for line in client.batch_output(batch_id, errors=True)]
     assert [e["custom_id"] for e in errors] == ["r2", "r3"]
     assert "line 2: unsupported body fields: bogus" in errors[0]["error"]["message"]

@@ -6,11 +6,13 @@ random (seeded) from a config.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
@@ -99,4 +101,32 @@ def build_tiny_model(family: str, path: Path, **config_overrides) -> Path:
             p.mul_(4.0) if p.dim() > 1 else None
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
+    return path
+
+
+POOLING_MODES = {"lasttoken": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
+                 "cls": "pooling_mode_cls_token"}
+
+
+def build_embedding_model(path: Path, pooling: str = "mean", matryoshka: bool | list[int] = False,
+                          family: str = "qwen2") -> Path:
+    """A tiny embedding model: `family`'s decoder saved without its LM head (architectures: Qwen2Model...), the
+    tokenizer, and sentence-transformers' modules.json with a Pooling module (`pooling`: lasttoken, mean or cls) and
+    Normalize. `matryoshka`: True writes `is_matryoshka`, a list writes `matryoshka_dimensions`."""
+    torch.manual_seed(0)
+    config = {**FAMILIES, **MORE_FAMILIES}[family]()
+    if matryoshka is True:
+        config.is_matryoshka = True
+    elif matryoshka:
+        config.matryoshka_dimensions = list(matryoshka)
+    AutoModel.from_config(config).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = {mode: mode == POOLING_MODES[pooling] for mode in POOLING_MODES.values()}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": config.hidden_size,
+                                                                **modes}))
     return path

@@ -20,8 +20,12 @@ late write (a retried job, a job stopped after its batch was cancelled) changes 
 Redis work per job, with no scan over the batch. The same script moves the batch to `completed` (or
 `cancelled`) when the last line is written.
 
+The same script adds a new output line's tokens to the batch's `usage`, and the step that ends a batch (in
+any script) pushes its one webhook outbox event (scripts.py says how).
+
 Output and error files are rendered from the stored lines in input order, streamed in chunks. They
-live as long as the batch (`retention_s` from its creation), whatever RQ's result TTL is.
+live as long as the batch (`retention_s` from its creation), whatever RQ's result TTL is, or, with
+`output_expires_after`, that long from the batch's end.
 
 Cancel and expiry share one sweep: the batch's queued jobs are taken out of their queues in one pass
 per queue, every index without a line gets a `batch_cancelled` (or `batch_expired`) error line, then

@@ -26,6 +26,12 @@ DEFAULT_BATCH_RETENTION_S = 7 * 86400  # a batch, its lines and its feed, counte
 MAX_BATCH_METADATA_ITEMS = 16  # OpenAI's limits on a batch's metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+EXPIRY_ANCHOR = "created_at"  # OpenAI's only anchor of `output_expires_after` (and of a file's `expires_after`)
+MIN_OUTPUT_EXPIRY_S = 3600  # OpenAI's range of `output_expires_after.seconds`
+MAX_OUTPUT_EXPIRY_S = 30 * 86400
+OUTPUT_EXPIRY_SHAPE = (f'output_expires_after is {{"anchor": "{EXPIRY_ANCHOR}", "seconds": {MIN_OUTPUT_EXPIRY_S} to '
+                       f'{MAX_OUTPUT_EXPIRY_S}}}')
+OUTPUT_EXPIRY_MARGIN_S = 3600  # a batch ends a little after its window (the first reader expires it)
 
 class BatchNotFound(LookupError):
     """No such batch: never created, past its retention, or another owner's."""
@@ -39,6 +45,30 @@ class RequestCounts(BaseModel):
     total: int = 0
     completed: int = 0
     failed: int = 0
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # batcher serves no reasoning model
+
+
+class BatchUsage(BaseModel):
+    """OpenAI's batch `usage`: the sum over the output lines (the requests that succeeded, as OpenAI bills), counted
+    by the script that records each line, so it is exact through retries as the counts are."""
+
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, input_tokens: int, cached_tokens: int, output_tokens: int) -> BatchUsage:
+        return cls(input_tokens=input_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+                   output_tokens=output_tokens, total_tokens=input_tokens + output_tokens)
 
 
 class BatchErrorItem(BaseModel):
@@ -78,9 +108,11 @@ class Batch(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
     metadata: dict[str, str] | None = None
+    usage: BatchUsage = Field(default_factory=BatchUsage)
     owner: str | None = None
     queue: str
     model: str | None = None
+    output_expires_at: int | None = Field(None, description="when the output and error files expire (once ended)")
 
     @property
     def ended(self) -> bool:
@@ -91,14 +123,15 @@ class Batch(BaseModel):
         h = {as_text(k): as_text(v) for k, v in raw.items()}
         counts = RequestCounts(total=int(h.get("total", 0)), completed=int(h.get("completed", 0)),
                                failed=int(h.get("failed", 0)))
+        usage = BatchUsage.of(*(int(h.get(f, 0)) for f in ("input_tokens", "cached_tokens", "output_tokens")))
         ended = h["status"] in ENDED
         times = {f: int(float(h[f])) for f in ("created_at", "in_progress_at", "expires_at", "finalizing_at",
                                                "completed_at", "failed_at", "expired_at", "cancelling_at",
-                                               "cancelled_at") if h.get(f)}
+                                               "cancelled_at", "output_expires_at") if h.get(f)}
         return cls(
             id=h["id"], endpoint=h["endpoint"], completion_window=h["completion_window"], status=h["status"],
             errors=BatchErrors.model_validate_json(h["errors"]) if h.get("errors") else None,
-            input_file_id=h.get("input_file_id") or None, request_counts=counts,
+            input_file_id=h.get("input_file_id") or None, request_counts=counts, usage=usage,
             output_file_id=output_file_id(h["id"]) if ended and counts.completed else None,
             error_file_id=error_file_id(h["id"]) if ended and counts.failed else None,
             metadata=json.loads(h["metadata"]) if h.get("metadata") else None,
@@ -127,6 +160,33 @@ def parse_window(window: str) -> int:
     if match is None or int(match.group(1)) < 1:
         raise BatchInputError(f"completion_window is a number and a unit (s, m, h, d), such as 24h; got {window!r}")
     return int(match.group(1)) * WINDOW_UNITS[match.group(2)]
+
+
+def parse_output_expiry(expires_after: object) -> int | None:
+    """The seconds of OpenAI's `output_expires_after` ({"anchor": "created_at", "seconds": 3600..2592000}); None
+    (the batch's retention) when absent. The anchor is the files' creation: the batch's end."""
+    if expires_after is None:
+        return None
+    if not isinstance(expires_after, dict) or set(expires_after) != {"anchor", "seconds"} or (
+            expires_after["anchor"] != EXPIRY_ANCHOR):
+        raise BatchInputError(OUTPUT_EXPIRY_SHAPE + f"; got {expires_after!r}")
+    return check_output_expiry(expires_after["seconds"])
+
+
+def check_output_expiry(seconds: object) -> int | None:
+    """`seconds` if it is a number of seconds that OpenAI's `output_expires_after` allows (None passes)."""
+    if seconds is not None and (not isinstance(seconds, int) or isinstance(seconds, bool)
+                                or not MIN_OUTPUT_EXPIRY_S <= seconds <= MAX_OUTPUT_EXPIRY_S):
+        raise BatchInputError(OUTPUT_EXPIRY_SHAPE + f"; got {seconds!r} seconds")
+    return seconds
+
+
+def outlasting_retention(retention_s: int, completion_window: str, output_expires_s: int | None) -> int:
+    """A batch's retention, long enough to keep its output files as asked: they expire `output_expires_s` after the
+    batch ends, which is at the latest its window's end (a batch read long after that is clamped to its retention)."""
+    if output_expires_s is None:
+        return retention_s
+    return max(retention_s, parse_window(completion_window) + output_expires_s + OUTPUT_EXPIRY_MARGIN_S)
 
 
 def check_metadata(metadata: dict | None) -> dict[str, str] | None:

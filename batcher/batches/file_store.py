@@ -9,7 +9,7 @@ An upload is written chunk by chunk while it arrives (`FileUpload`), so no proce
 chunks of an abandoned upload expire after UPLOAD_TTL_S. A batch reads a file back as a stream of lines (`lines`).
 
 Batch output and error files are not stored here: they are rendered from the batch's own lines
-(batcher/batches.py), and live as long as the batch.
+(batcher/batches/lines.py), and live as long as the batch or as its `output_expires_after` says.
 """
 
 from __future__ import annotations

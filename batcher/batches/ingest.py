@@ -13,11 +13,17 @@ from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
-from batcher.batches.batch_object import DEFAULT_BATCH_RETENTION_S, DEFAULT_COMPLETION_WINDOW, Batch
+from batcher.batches.batch_object import (
+    DEFAULT_BATCH_RETENTION_S,
+    DEFAULT_COMPLETION_WINDOW,
+    Batch,
+    outlasting_retention,
+)
 from batcher.batches.store import BatchStore
 from batcher.jobs import keys
 from batcher.jobs.enqueue import Enqueuer, QueueFull
-from batcher.openai.batch_lines import CHAT_URL, ENDPOINTS, BatchLineError, parse_batch_line
+from batcher.openai.batch_endpoints import ENDPOINTS, parse_line
+from batcher.openai.batch_lines import CHAT_URL, BatchLineError
 from batcher.schema import BatchItem, GenerationRequest
 from batcher.service_class import BATCH
 
@@ -30,8 +36,9 @@ Line = tuple[int, str | None, GenerationRequest | None, str | None]  # (index, c
 def create_batch(enqueuer: Enqueuer, lines: Iterable[str | bytes], *, endpoint: str | None = None,
                  completion_window: str = DEFAULT_COMPLETION_WINDOW, metadata: dict[str, str] | None = None,
                  owner: str | None = None, input_file_id: str | None = None, priority: int = 0,
-                 retention_s: int = DEFAULT_BATCH_RETENTION_S) -> Batch:
-    """Create a batch from the lines of an OpenAI batch file on the enqueuer's queue.
+                 retention_s: int = DEFAULT_BATCH_RETENTION_S, output_expires_s: int | None = None) -> Batch:
+    """Create a batch from the lines of an OpenAI batch file on the enqueuer's queue; its output and error files
+    live `output_expires_s` from its end (None: as long as the batch, `retention_s`).
 
     `endpoint` defaults to the url of the first line that has a valid one. Raise BatchInputError for a bad
     window or metadata, QueueFull when the queue fills (the batch then ends `failed`)."""
@@ -44,17 +51,20 @@ def create_batch(enqueuer: Enqueuer, lines: Iterable[str | bytes], *, endpoint: 
             if endpoint is not None:
                 break
     store = BatchStore(enqueuer.connection)
+    retention_s = outlasting_retention(retention_s, completion_window, output_expires_s)
     batch = store.begin(endpoint=endpoint or CHAT_URL, completion_window=completion_window, queue=enqueuer.queue,
-                        metadata=metadata, owner=owner, input_file_id=input_file_id, retention_s=retention_s)
+                        metadata=metadata, owner=owner, input_file_id=input_file_id, retention_s=retention_s,
+                        output_expires_s=output_expires_s)
     deadline = datetime.fromtimestamp(batch.expires_at, timezone.utc)
     queue_ttl = max(enqueuer.queue_ttl, batch.expires_at - batch.created_at + QUEUE_TTL_MARGIN_S)
     index, valid, first_error, models, rq_queues = 0, 0, None, set(), set()
     chunk: list[Line] = []
     for line in itertools.chain(head, lines):
         try:
-            custom_id, request = parse_batch_line(_decoded(line), batch.endpoint)
+            custom_id, request, item_fields = parse_line(_decoded(line), batch.endpoint)
             request = request.model_copy(update={
-                "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id), "deadline": deadline,
+                "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id, url=batch.endpoint, **item_fields),
+                "deadline": deadline,
                 "priority": priority, "service_class": BATCH, "tenant": owner})
             chunk.append((index, custom_id, request, None))
             models.add(request.model)

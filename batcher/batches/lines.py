@@ -19,7 +19,8 @@ from redis import Redis
 from batcher.batches import scripts
 from batcher.batches.batch_object import Batch
 from batcher.jobs import keys
-from batcher.openai.batch_lines import CHAT_URL, COMPLETIONS_URL, error_line, response_line
+from batcher.openai.batch_endpoints import output_line
+from batcher.openai.batch_lines import error_line
 from batcher.schema import GenerationRequest, GenerationResult
 
 FEED_MAXLEN = 100_000  # entries kept per feed stream (trimmed approximately)
@@ -27,6 +28,7 @@ CHUNK = 1000  # lines per pipeline when creating, sweeping or rendering a batch
 OUTPUT_KIND, ERROR_KIND = "o", "e"  # the first character of a stored line says which file it goes to
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 FEED_FIELDS = ("job_id", "status", "custom_id", "batch_id", "queue", "finish_reason")
+NO_USAGE = (0, 0, 0)  # (input, cached input, output) tokens of a line that counts none
 
 
 def record_outcome_on(pipe, *, job_id: str, queue: str, status: str, request: GenerationRequest | None,
@@ -49,10 +51,11 @@ def record_outcome_on(pipe, *, job_id: str, queue: str, status: str, request: Ge
         pipe.xadd(keys.queue_feed_key(base), dict(zip(FEED_FIELDS, entry)), maxlen=FEED_MAXLEN, approximate=True)
         return
     if status == "finished":
-        endpoint = CHAT_URL if request.messages is not None else COMPLETIONS_URL
         kind, line = "completed", OUTPUT_KIND + json.dumps(
-            response_line(item.custom_id, result, endpoint, request_id=job_id, created=int(now), request=request))
-    else:
+            output_line(item.custom_id, result, request, job_id=job_id, created=int(now)))
+        usage = (result.usage.prompt_tokens, result.usage.cached_tokens, result.usage.completion_tokens)
+    else:  # no usage: the batch's usage is that of its output lines, the requests OpenAI bills
+        usage = NO_USAGE
         message = reason or "stopped before it finished"
         kind, line = "failed", ERROR_KIND + json.dumps(
             error_line(item.custom_id, message, "cancelled" if status == "stopped" else "generation_failed",
@@ -60,7 +63,7 @@ def record_outcome_on(pipe, *, job_id: str, queue: str, status: str, request: Ge
     expired = ERROR_KIND + json.dumps(error_line(item.custom_id, EXPIRED_MESSAGE, "batch_expired",
                                                  request_id=job_id)) if kind == "failed" else ""
     scripts.run(pipe, scripts.RECORD, _record_keys(item.id, base),
-                [item.index, kind, line, expired, now, FEED_MAXLEN, *entry])
+                [item.index, kind, line, expired, now, FEED_MAXLEN, *entry, *usage])
 
 
 def write_error_line_on(pipe, *, batch_id: str, base_queue: str, index: int, custom_id: str | None, code: str,
@@ -70,7 +73,7 @@ def write_error_line_on(pipe, *, batch_id: str, base_queue: str, index: int, cus
     line = ERROR_KIND + json.dumps(error_line(custom_id, message, code, request_id=job_id))
     scripts.run(pipe, scripts.RECORD, _record_keys(batch_id, base_queue),
                 [index, "failed", line, "", now, FEED_MAXLEN, job_id, status, custom_id or "", batch_id, base_queue,
-                 ""])
+                 "", *NO_USAGE])
 
 
 def rendered(connection: Redis, batch: Batch, errors: bool = False) -> Iterator[str]:
@@ -86,4 +89,4 @@ def rendered(connection: Redis, batch: Batch, errors: bool = False) -> Iterator[
 
 def _record_keys(batch_id: str, base_queue: str) -> list[str]:
     return [keys.batch_key(batch_id), keys.batch_lines_key(batch_id), keys.batch_feed_key(batch_id),
-            keys.queue_feed_key(base_queue)]
+            keys.queue_feed_key(base_queue), keys.WEBHOOK_OUTBOX]

@@ -18,6 +18,7 @@ from batcher.batches.batch_object import (
     BatchInputError,
     BatchNotFound,
     check_metadata,
+    check_output_expiry,
     new_batch_id,
     parse_window,
 )
@@ -27,7 +28,8 @@ from batcher.jobs.fairness import forget_on
 from batcher.jobs.life import cancel_held
 from batcher.jobs.redis_text import as_text
 from batcher.jobs.rq_adapter import Queue, cancel_taken_on, held_job_ids, rq_queue
-from batcher.openai.batch_lines import CHAT_URL, COMPLETIONS_URL
+from batcher.openai.batch_endpoints import ENDPOINTS
+from batcher.webhooks.outbox import dispatch_after
 
 CANCELLED_MESSAGE = "The batch was cancelled before this request finished."
 SWEEPS = {"cancelled": ("batch_cancelled", CANCELLED_MESSAGE), "expired": ("batch_expired", EXPIRED_MESSAGE)}
@@ -43,10 +45,12 @@ class BatchStore:
     # ----- create -----
     def begin(self, *, endpoint: str, completion_window: str, queue: str, model: str | None = None,
               metadata: dict | None = None, owner: str | None = None, input_file_id: str | None = None,
-              retention_s: int = DEFAULT_BATCH_RETENTION_S, batch_id: str | None = None) -> Batch:
-        """Store a new batch, `validating`, with no requests yet."""
-        if endpoint not in (COMPLETIONS_URL, CHAT_URL):
-            raise BatchInputError(f"endpoint must be {COMPLETIONS_URL} or {CHAT_URL}, got {endpoint!r}")
+              retention_s: int = DEFAULT_BATCH_RETENTION_S, batch_id: str | None = None,
+              output_expires_s: int | None = None) -> Batch:
+        """Store a new batch, `validating`, with no requests yet; its output and error files live
+        `output_expires_s` from its end (None: as long as the batch)."""
+        if endpoint not in ENDPOINTS:
+            raise BatchInputError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
         window_s = parse_window(completion_window)
         if retention_s <= window_s:
             raise BatchInputError(f"the retention ({retention_s} s) must outlast the completion window ({window_s} s)")
@@ -57,6 +61,7 @@ class BatchStore:
                   "status": "validating", "created_at": now, "expires_at": int(now) + window_s,
                   "queue": keys.check_queue(queue), "total": 0, "completed": 0, "failed": 0, "queues": ""}
         for name, value in (("model", model), ("owner", owner and keys.check_owner(owner)),
+                            ("output_expires_s", check_output_expiry(output_expires_s)),
                             ("input_file_id", input_file_id), ("metadata", metadata and json.dumps(metadata))):
             if value:
                 fields[name] = value
@@ -84,7 +89,8 @@ class BatchStore:
 
     def start(self, batch_id: str) -> Batch:
         """Validation is over: the batch runs, or ends at once if every line has ended already."""
-        scripts.run(self.connection, scripts.START, [keys.batch_key(batch_id)], [time.time()])
+        scripts.run(self.connection, scripts.START, _ending_keys(batch_id), [time.time()])
+        dispatch_after(self.connection, "a batch transition")
         return self.get(batch_id, observe=False)
 
     def fail(self, batch_id: str, code: str, message: str) -> Batch:
@@ -149,15 +155,16 @@ class BatchStore:
         """Cancel the batch's queued jobs and stop its running ones; what finished stays downloadable."""
         batch = self.get(batch_id, owner)
         if batch.status in ACTIVE:
-            ended = scripts.run(self.connection, scripts.END, [keys.batch_key(batch_id)],
-                          ["cancelling", "cancelling_at", time.time()])
+            ended = scripts.run(self.connection, scripts.END, _ending_keys(batch_id),
+                                ["cancelling", "cancelling_at", time.time()])
             if ended:
                 self._sweep(batch_id, "cancelled")
         return self.get(batch_id, owner, observe=False)
 
     def _end(self, batch_id: str, status: str) -> None:
-        """Move an active batch to `status` (expired, failed) and sweep its jobs."""
-        moved = scripts.run(self.connection, scripts.END, [keys.batch_key(batch_id)],
+        """Move an active batch to `status` (expired, failed) and sweep its jobs (the sweep dispatches the end's
+        webhook event)."""
+        moved = scripts.run(self.connection, scripts.END, _ending_keys(batch_id),
                             [status, f"{status}_at", time.time()])
         if moved:
             self._sweep(batch_id, status)
@@ -193,7 +200,8 @@ class BatchStore:
                     self._write_line(pipe, batch_id, index, custom_id, code, message, ended_as, now)
                 pipe.execute()
         self._stop_running(queues, prefix)
-        scripts.run(self.connection, scripts.SETTLE_ONLY, [keys.batch_key(batch_id)], [time.time()])
+        scripts.run(self.connection, scripts.SETTLE_ONLY, _ending_keys(batch_id), [time.time()])
+        dispatch_after(self.connection, "a batch transition")  # the event END or SETTLE_ONLY pushed
 
     def _stop_running(self, queues: list[Queue], prefix: str) -> None:
         """Cancel each job of the batch that a worker holds (taken or started): it stops within a step."""
@@ -210,3 +218,9 @@ class BatchStore:
         if batch_id not in self._bases:
             self._bases[batch_id] = as_text(self.connection.hget(keys.batch_key(batch_id), "queue"))
         return self._bases[batch_id]
+
+
+def _ending_keys(batch_id: str) -> list[str]:
+    """The keys of a script that may end a batch: the batch, its lines (the files whose expiry starts at the end)
+    and the webhook outbox (where the end is announced)."""
+    return [keys.batch_key(batch_id), keys.batch_lines_key(batch_id), keys.WEBHOOK_OUTBOX]

@@ -13,6 +13,7 @@ from batcher.cli import (
     engine_commands,  # noqa: F401  (worker, run, bench, demo: the one door into workers/)
     job_commands,  # noqa: F401  (submit, tail, status, cancel)
     serve_commands,  # noqa: F401  (serve)
+    webhooks_commands,  # noqa: F401  (the webhooks group: add, list, remove, worker)
 )
 from batcher.cli.group import main
 

@@ -14,7 +14,7 @@ from batcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW
 from batcher.cli.group import main
 from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
 from batcher.jobs import keys
-from batcher.openai.batch_lines import ENDPOINTS
+from batcher.openai.batch_endpoints import ENDPOINTS
 
 WAIT_POLL_S = 0.5
 DEFAULT_LIST_LIMIT = 20

@@ -75,10 +75,13 @@ def engine_options(func):
                      envvar="BATCHER_STEP_TIME_TARGET", show_default=True,
                      help="Seconds a step may take while interactive or priority work runs or waits: prompt chunks "
                      "are sized to it from the measured step costs (0: always the full token budget)."),
+        click.option("--task", "tasks", type=click.Choice(c.TASKS), multiple=True, envvar="BATCHER_TASK",
+                     help="What to serve: generate, embed, or both (--task generate --task embed; a causal LM embeds "
+                          "from its final hidden states). Default: the model's nature (an embedding model embeds)."),
     ]
     names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
              "kv_cache_bytes", "max_model_len", "dtype", "attention_backend", "device", "compile", "prefix_caching",
-             "batch_invariant", "min_batch_share", "step_time_target"]
+             "batch_invariant", "min_batch_share", "step_time_target", "tasks"]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

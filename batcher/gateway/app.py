@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from batcher.batches.file_store import FileLimits, FileStore
 from batcher.client import DEFAULT_MAX_QUEUE_LENGTH, Client
-from batcher.gateway import batch_routes, completions, file_routes
+from batcher.gateway import batch_routes, completions, embedding_routes, file_routes, response_routes
 from batcher.gateway.auth import ApiKeys, AuthMiddleware
 from batcher.gateway.completions import served_models
 from batcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
@@ -80,6 +80,12 @@ ROUTES = [
     Route("/v1/batches/{batch_id}/cancel", batch_routes.cancel_batch, methods=["POST"]),
     Route("/v1/completions", completions.completions, methods=["POST"]),
     Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
+    Route("/v1/embeddings", embedding_routes.create_embeddings, methods=["POST"]),
+    Route("/v1/responses", response_routes.create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", response_routes.retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", response_routes.delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/cancel", response_routes.cancel_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}/input_items", response_routes.list_input_items, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/health", health, methods=["GET"]),

@@ -7,17 +7,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from batcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW, Batch
+from batcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError, parse_output_expiry
 from batcher.batches.file_store import FileNotFound, FileStore
 from batcher.client import Client
 from batcher.gateway.body import read_json
 from batcher.gateway.error_objects import ApiError
-from batcher.openai.batch_lines import ENDPOINTS
+from batcher.openai.batch_endpoints import ENDPOINTS
 
 DEFAULT_LIST_LIMIT = 20  # OpenAI's page size and its bounds
 MAX_LIST_LIMIT = 100
-CREATE_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}
-HIDDEN_FIELDS = {"owner", "queue"}
+CREATE_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
+HIDDEN_FIELDS = {"owner", "queue", "output_expires_at"}
 
 
 def batch_json(batch: Batch) -> dict:
@@ -36,6 +36,10 @@ async def create_batch(request: Request) -> JSONResponse:
     if endpoint not in ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}", param="endpoint")
     window = body.get("completion_window", DEFAULT_COMPLETION_WINDOW)
+    try:
+        output_expires_s = parse_output_expiry(body.get("output_expires_after"))
+    except BatchInputError as exc:
+        raise ApiError(400, str(exc), param="output_expires_after") from None
     tenant = request.state.tenant
     store: FileStore = request.app.state.files
     client: Client = request.app.state.client
@@ -47,7 +51,7 @@ async def create_batch(request: Request) -> JSONResponse:
         raise ApiError(400, f"file {file_id} was uploaded for {uploaded.purpose}, not batch", param="input_file_id")
     created = await run_in_threadpool(lambda: client.create_batch(
         store.lines(file_id), endpoint=endpoint, completion_window=window, metadata=body.get("metadata"),
-        owner=tenant, input_file_id=file_id))
+        owner=tenant, input_file_id=file_id, output_expires_s=output_expires_s))
     return JSONResponse(batch_json(created))
 
 

@@ -51,7 +51,7 @@ from batcher.openai.batch_lines import (
 )
 from batcher.openai.logprob_objects import chat_logprobs, completion_logprobs
 from batcher.openai.service_tiers import TIER_OF_CLASS
-from batcher.schema import GenerationRequest, TokenLogprob, Usage
+from batcher.schema import GenerationRequest, GenerationResult, TokenLogprob, Usage
 from batcher.service_class import class_of
 from batcher.tools.calls import CallDelta, CallReader
 
@@ -189,6 +189,13 @@ async def _wait_for_end(request: Request, job_id: str):
 
 async def _answer(request: Request, job_id: str, url: str, created: int, tier: str,
                   generation: GenerationRequest) -> JSONResponse:
+    result = await _result_when_ended(request, job_id)
+    return JSONResponse(response_body(result, url, request_id=job_id, created=created, service_tier=tier,
+                                      request=generation))
+
+
+async def _result_when_ended(request: Request, job_id: str) -> GenerationResult:
+    """The job's result once it ends; ApiError when the client left, or the job failed or was cancelled."""
     app = request.app
     end = await _wait_for_end(request, job_id)
     if end is None:  # the client left; nobody reads this
@@ -201,8 +208,7 @@ async def _answer(request: Request, job_id: str, url: str, created: int, tier: s
         if exc.status == "failed":
             raise ApiError(400, exc.reason, code="generation_failed") from None
         raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
-    return JSONResponse(response_body(result, url, request_id=job_id, created=created, service_tier=tier,
-                                      request=generation))
+    return result
 
 
 # ----- streaming -----

@@ -8,6 +8,7 @@ input order while they download (partial while the batch still runs).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 
 from python_multipart.exceptions import MultipartParseError
@@ -22,6 +23,7 @@ from batcher.batches.file_store import (
     MAX_FILE_RETENTION_S,
     MIN_FILE_RETENTION_S,
     PURPOSES,
+    FileNotFound,
     FileObject,
     FileStore,
     FileTooLarge,
@@ -159,12 +161,21 @@ def _found(request: Request) -> tuple[FileObject, Batch | None, bool]:
     of_batch = batch_of_file(file_id)
     if of_batch is None:
         return request.app.state.files.get(file_id, tenant), None, False
-    batch_id, errors = of_batch
-    batch = BatchStore(request.app.state.client.connection).get(batch_id, tenant)
+    batch, errors = _batch_of(request, file_id)
     size = sum(len(block) for block in _blocks(_batch_lines(request, batch, errors)))
     ended = batch.completed_at or batch.cancelled_at or batch.expired_at or batch.failed_at or batch.created_at
-    return FileObject(id=file_id, bytes=size, created_at=ended, filename=f"{file_id}.jsonl",
-                      purpose=OUTPUT_PURPOSE), batch, errors
+    return FileObject(id=file_id, bytes=size, created_at=ended, expires_at=batch.output_expires_at,
+                      filename=f"{file_id}.jsonl", purpose=OUTPUT_PURPOSE), batch, errors
+
+
+def _batch_of(request: Request, file_id: str) -> tuple[Batch, bool]:
+    """(the batch, whether it is the error file) of a batch's output or error file; FileNotFound past the files'
+    expiry (their lines are gone then, or about to go). Runs in a thread."""
+    batch_id, errors = batch_of_file(file_id)
+    batch = BatchStore(request.app.state.client.connection).get(batch_id, request.state.tenant)
+    if batch.output_expires_at is not None and time.time() >= batch.output_expires_at:
+        raise FileNotFound(f"no file {file_id} (past its expiry at {batch.output_expires_at})")
+    return batch, errors
 
 
 def _batch_lines(request: Request, batch: Batch, errors: bool) -> Iterator[str]:
@@ -197,8 +208,7 @@ async def file_content(request: Request) -> StreamingResponse:
         store: FileStore = request.app.state.files
         await run_in_threadpool(store.get, file_id, tenant)
         return StreamingResponse(store.content(file_id), media_type=CONTENT_TYPE)
-    batch_id, errors = of_batch
-    batch = await run_in_threadpool(BatchStore(request.app.state.client.connection).get, batch_id, tenant)
+    batch, errors = await run_in_threadpool(_batch_of, request, file_id)
     return StreamingResponse(_blocks(_batch_lines(request, batch, errors)), media_type=CONTENT_TYPE)
 
 

@@ -132,6 +132,8 @@ def description(request: GenerationRequest) -> str:
         head = request.prompt
     elif request.messages is not None:
         head = request.messages[-1].content
+    elif request.embed is not None:
+        return f"embed: {len(request.embed)} inputs"
     else:
         head = f"{len(request.prompt_token_ids)} prompt tokens"
     head = " ".join(head.split())

@@ -263,3 +263,45 @@ def file_chunks_key(file_id: str) -> str:
 # A list of events waiting to become delivery jobs: each entry is JSON {"type", "id", "tenant", "created_at"},
 # pushed in the same transaction as the end it announces (a batch's, a background response's)
 WEBHOOK_OUTBOX = "batcher:webhooks:outbox"
+# Sorted set: outbox entries a dispatch has taken, by the time it took them; it removes each in the transaction that
+# enqueues the entry's deliveries, and an entry left there longer than a while (its dispatcher died) is taken again
+WEBHOOK_OUTBOX_CLAIMED = "batcher:webhooks:outbox:claimed"
+WEBHOOK_ENDPOINT_PREFIX = "batcher:webhooks:endpoint:"
+WEBHOOK_ENDPOINT_ID_PREFIX = "we_"
+WEBHOOK_ENDPOINTS = "batcher:webhooks:endpoints"  # set: every endpoint id (`batcher webhooks list`)
+WEBHOOK_TENANT_PREFIX = "batcher:webhooks:tenant:"
+WEBHOOK_NO_TENANT = "batcher:webhooks:no-tenant"  # set: the endpoints of an open gateway's work (tenant null)
+
+
+def check_webhook_endpoint_id(endpoint_id: str) -> str:
+    if (not isinstance(endpoint_id, str) or not endpoint_id.startswith(WEBHOOK_ENDPOINT_ID_PREFIX)
+            or not JOB_ID_PATTERN.fullmatch(endpoint_id)):
+        raise InvalidName(f"not a webhook endpoint id: {endpoint_id!r}")
+    return endpoint_id
+
+
+def webhook_endpoint_key(endpoint_id: str) -> str:
+    """String: one endpoint as JSON (tenant, url, events, signing secret, whether private addresses are allowed)."""
+    return WEBHOOK_ENDPOINT_PREFIX + check_webhook_endpoint_id(endpoint_id)
+
+
+def webhook_tenant_key(tenant: str | None) -> str:
+    """Set: the endpoint ids of one tenant (None: work that names no tenant, an open gateway's)."""
+    return WEBHOOK_NO_TENANT if tenant is None else WEBHOOK_TENANT_PREFIX + check_owner(tenant)
+
+
+# ----- stored responses of /v1/responses (batcher/responses/records.py) -----
+RESPONSE_PREFIX = "batcher:response:"
+RESPONSE_ID_RE = re.compile(r"resp_[A-Za-z0-9]{1,64}")  # GenerationRequest.background_response's pattern
+
+
+def check_response_id(response_id: str) -> str:
+    if not isinstance(response_id, str) or not RESPONSE_ID_RE.fullmatch(response_id):
+        raise InvalidName(f"not a response id: {response_id!r}")
+    return response_id
+
+
+def response_key(response_id: str) -> str:
+    """String: one stored response as JSON (its tenant, request, input items and conversation); the response's
+    output is its job's result (`resp_<job id>`), kept as long (batcher/responses/records.py)."""
+    return RESPONSE_PREFIX + check_response_id(response_id)

@@ -7,8 +7,8 @@ runs:
 - the worker that recovered it after its worker was lost (cancelled meanwhile, or started too often);
 - the client that cancelled it while it was still queued.
 `record_end` queues RQ's side of the end (the Result and registries, or RQ's cancel for a job that never
-started), the terminal stream event where the caller has no fenced writer, and the batch line, counts and
-completion-feed entries (`batcher.batches.lines`).
+started), the terminal stream event where the caller has no fenced writer, the batch line, counts and
+completion-feed entries (`batcher.batches.lines`), and a background response's webhook event (on the outbox).
 
 A cancel is recorded in Redis (`keys.cancel_key`) before RQ's stop-job command is sent, so it wins even where
 no worker hears the command: a worker checks it when it starts the job, each time it renews the job's lease,
@@ -17,6 +17,8 @@ and when it recovers the job of a lost worker.
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Literal
 
 from pydantic import ValidationError
@@ -52,6 +54,10 @@ PICKLED_JOB_REASON = (
 )
 
 EndStatus = Literal["finished", "failed", "stopped"]
+# How a background response's end is announced (its webhook event `response.<ending>`): a finished job that ran out
+# of tokens or time is an incomplete response
+INCOMPLETE_FINISH_REASONS = ("length", "timeout")
+RESPONSE_ENDINGS = {"finished": "completed", "failed": "failed", "stopped": "cancelled"}
 
 
 class InvalidJob(ValueError):
@@ -115,6 +121,19 @@ def record_end(pipe, job: Job, queue: Queue, status: EndStatus, *, request: Gene
         append_event(pipe, job.id, terminal_event(status, result, reason), ttl)
     record_outcome_on(pipe, job_id=job.id, queue=queue.name, status=status, request=request, result=result,
                       reason=reason)
+    if request is not None and request.background_response:
+        announce_response_end_on(pipe, request, status, result)
+
+
+def announce_response_end_on(pipe, request: GenerationRequest, status: EndStatus,
+                             result: GenerationResult | None) -> None:
+    """Push a background response's end onto the webhook outbox (batcher/webhooks), in the transaction that records
+    it: announced once it happened, never lost."""
+    ending = RESPONSE_ENDINGS[status]
+    if status == "finished" and result is not None and result.finish_reason in INCOMPLETE_FINISH_REASONS:
+        ending = "incomplete"
+    pipe.rpush(keys.WEBHOOK_OUTBOX, json.dumps({"type": f"response.{ending}", "id": request.background_response,
+                                                "tenant": request.tenant, "created_at": int(time.time())}))
 
 
 # ----- cancel -----

@@ -2,6 +2,8 @@
 
 In:  {"custom_id": ..., "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body": {...}}
 Out: {"custom_id": ..., "response": {"status_code": 200, "body": {...}}, "error": null}
+This module reads a line's envelope and the bodies of the two generation endpoints; batch_endpoints.py adds
+/v1/responses and /v1/embeddings lines.
 
 The gateway (batcher/gateway) reads its HTTP request bodies with the same `parse_body` and answers with
 the same `response_body`, so a batch line and an HTTP answer never differ in format.
@@ -10,6 +12,7 @@ the same `response_body`, so a batch line and an HTTP answer never differ in for
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -49,7 +52,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool"}  # OpenAI's -> ours
 DROPPED_MESSAGE_FIELDS = ("name", "annotations", "refusal", "audio")  # a participant's name, and what a client
 # copies back from an answer: no template of ours reads them
-ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
+GENERATION_ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
 MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
 MAX_PROBLEM_CHARS = 200
 COMPLETION_ID_PREFIX = "cmpl-"  # a response's id is the prefix and the job id
@@ -71,35 +74,6 @@ def readable(exc: ValidationError) -> str:
     if len(errors) > MAX_LISTED_PROBLEMS:
         parts.append(f"and {len(errors) - MAX_LISTED_PROBLEMS} more ({len(errors)} problems in all)")
     return "; ".join(parts)
-
-
-def parse_batch_line(line: str, endpoint: str | None = None) -> tuple[str | None, GenerationRequest]:
-    """Parse one input line into `(custom_id, request)`; raise BatchLineError with a readable reason.
-
-    `body.model` becomes the request's model (the job runs on a worker serving it). With `endpoint`,
-    the line's url must be that one (a batch has one endpoint). The custom_id is returned on the
-    exception as `exc.custom_id` when it could be read."""
-    custom_id = None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise BatchLineError(None, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
-    if not isinstance(obj, dict):
-        raise BatchLineError(None, "each line must be a JSON object")
-    custom_id = obj.get("custom_id")
-    if custom_id is not None and not isinstance(custom_id, str):
-        raise BatchLineError(None, "custom_id must be a string")
-    url = obj.get("url")
-    if obj.get("method", "POST") != "POST":
-        raise BatchLineError(custom_id, "method must be POST")
-    if url not in ENDPOINTS:
-        raise BatchLineError(custom_id, f"url must be {COMPLETIONS_URL} or {CHAT_URL}, got {url!r}")
-    if endpoint is not None and url != endpoint:
-        raise BatchLineError(custom_id, f"url must be the batch's endpoint {endpoint}, got {url}")
-    try:
-        return custom_id, parse_body(obj.get("body"), url)
-    except BodyError as exc:
-        raise BatchLineError(custom_id, str(exc)) from None
 
 
 def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> GenerationRequest:
@@ -168,6 +142,38 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         except InvalidConstraint as exc:
             raise BodyError(str(exc), param="tools") from None
     return generation
+
+
+def parse_batch_line(line: str, endpoint: str | None = None,
+                     parse: Callable[[Any, str], GenerationRequest] = parse_body,
+                     urls: tuple[str, ...] = GENERATION_ENDPOINTS) -> tuple[str | None, GenerationRequest]:
+    """Parse one input line into `(custom_id, request)`; raise BatchLineError with a readable reason.
+
+    The line's url is one of `urls`, and `parse(body, url)` makes its request (batch_endpoints.parse_line reads
+    every endpoint's lines). `body.model` becomes the request's model (the job runs on a worker serving it). With
+    `endpoint`, the line's url must be that one (a batch has one endpoint). The custom_id is returned on the
+    exception as `exc.custom_id` when it could be read."""
+    custom_id = None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BatchLineError(None, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(obj, dict):
+        raise BatchLineError(None, "each line must be a JSON object")
+    custom_id = obj.get("custom_id")
+    if custom_id is not None and not isinstance(custom_id, str):
+        raise BatchLineError(None, "custom_id must be a string")
+    url = obj.get("url")
+    if obj.get("method", "POST") != "POST":
+        raise BatchLineError(custom_id, "method must be POST")
+    if url not in urls:
+        raise BatchLineError(custom_id, f"url must be one of {', '.join(urls)}, got {url!r}")
+    if endpoint is not None and url != endpoint:
+        raise BatchLineError(custom_id, f"url must be the batch's endpoint {endpoint}, got {url}")
+    try:
+        return custom_id, parse(obj.get("body"), url)
+    except BodyError as exc:
+        raise BatchLineError(custom_id, str(exc)) from None
 
 
 def openai_metadata(metadata: Any) -> Any:
@@ -289,7 +295,12 @@ def response_line(custom_id: str | None, result: GenerationResult, endpoint: str
                   request: GenerationRequest | None = None) -> dict:
     """A successful output line; its body is the endpoint's OpenAI object (`response_body`), run in the batch
     class (whatever tier the line asked for)."""
-    body = response_body(result, endpoint, request_id, created, TIER_OF_CLASS[BATCH], request)
+    return success_line(custom_id, response_body(result, endpoint, request_id, created, TIER_OF_CLASS[BATCH],
+                                                 request), request_id)
+
+
+def success_line(custom_id: str | None, body: dict, request_id: str | None = None) -> dict:
+    """An output line around an endpoint's answer `body` (status 200)."""
     line = {"custom_id": custom_id, "response": {"status_code": 200, "request_id": request_id, "body": body},
             "error": None}
     return {"id": f"batch_req_{request_id}", **line} if request_id is not None else line

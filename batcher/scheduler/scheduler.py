@@ -20,7 +20,8 @@ from the step costs measured so far: `record_step`). The static policy is the ba
 empty batch and prefills whole prompts.
 
 Prefix caching (`batcher.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its
-tokens, counted as computed, and always computes at least its last token (it needs its logits).
+tokens, counted as computed, and always computes at least its last token (it needs its logits). Embedding inputs
+(`Sequence.embed`) neither read nor fill the cache, and end after their last prompt chunk, sampling nothing.
 Admission and preemption count only the blocks a sequence newly needs. Full blocks are named in the
 cache when they are *scheduled*, so a sequence admitted later in the same step starts from blocks that
 an earlier one fills in that step: the model writes every new key and value of a layer before any
@@ -57,6 +58,10 @@ class StepPlan:
 
     def samples(self, seq: Sequence) -> bool:
         """Whether `seq` samples a token this step: its prompt (and output so far) is then fully computed."""
+        return not seq.embed and self.completes(seq)
+
+    def completes(self, seq: Sequence) -> bool:
+        """Whether `seq`'s tokens are all computed after this step (an embedding input's last chunk)."""
         return seq.num_computed_tokens + self.num_tokens[seq] == seq.num_tokens
 
     def __bool__(self) -> bool:
@@ -130,11 +135,16 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: dict[Sequence, int], now: float | None = None) -> list[Sequence]:
         """Advance the sequences of `plan` after its forward: every one computed its scheduled tokens, and
-        each one in `sampled` got its next token at `now`. Return the sequences this finished (EOS, length)."""
+        each one in `sampled` got its next token at `now`. Return the sequences this finished (EOS, length, and
+        the embedding inputs whose last chunk this was: they free their slot at once, with no decode step)."""
         now = time.monotonic() if now is None else now
+        finished = []
         for seq, n in plan.num_tokens.items():
             seq.num_computed_tokens += n
-        finished = []
+            if seq.embed and seq.num_uncomputed_tokens == 0 and not seq.is_finished:
+                seq.first_token_time = seq.last_token_time = now
+                self.finish(seq, "stop")
+                finished.append(seq)
         for seq, token in sampled.items():
             seq.token_ids.append(token)
             if seq.first_token_time is None:
@@ -273,23 +283,25 @@ class Scheduler:
         seq.num_computed_tokens = len(shared) * self.allocator.block_size
         if seq.num_preemptions == 0:  # (a resumed sequence's cached blocks may hold generated tokens too)
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            if self.allocator.prefix_caching:
+            if self.allocator.prefix_caching and not seq.embed:  # an embedding input never looks
                 self.prefix_cache_stats.queries += seq.num_prompt_tokens
                 self.prefix_cache_stats.hits += seq.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks `seq` can start from: at most all but its last token, which must be computed."""
-        if not self.allocator.prefix_caching:
+        """The cached blocks `seq` can start from: at most all but its last token, which must be computed. An
+        embedding input starts from none: its pooling needs every token's hidden state."""
+        if not self.allocator.prefix_caching or seq.embed:
             return []
         limit = (seq.num_tokens - 1) // self.allocator.block_size
         chain_block_hashes(seq.token_ids, self.allocator.block_size, seq.block_hashes, limit)
         return self.allocator.cached_prefix(seq.block_hashes[:limit])
 
     def _cache_full_blocks(self, seq: Sequence, n: int) -> None:
-        """Name in the cache the blocks of `seq` that its `n` tokens of this step fill."""
-        if not self.allocator.prefix_caching:
+        """Name in the cache the blocks of `seq` that its `n` tokens of this step fill (an embedding input's
+        are not named: it reads none either)."""
+        if not self.allocator.prefix_caching or seq.embed:
             return
         size = self.allocator.block_size
         start, end = seq.num_computed_tokens // size, (seq.num_computed_tokens + n) // size

@@ -193,6 +193,9 @@ def test_a_worker_sigkilled_mid_batch_changes_no_count_twice(serving, tiny_model
     assert connection.xlen(keys.batch_feed_key(batch.id)) == 16  # one feed entry per job, retried or not
     out, _ = files(client, batch.id)
     assert [o["custom_id"] for o in out] == [f"c{i}" for i in range(16)]
+    usages = [o["response"]["body"]["usage"] for o in out]  # the batch's usage: each line's once, retried or not
+    assert ended.usage.output_tokens == 16 * LONG == sum(u["completion_tokens"] for u in usages)
+    assert ended.usage.input_tokens == sum(u["prompt_tokens"] for u in usages)
     for job_id in killed:  # run twice, recorded once
         assert len(Job.fetch(job_id, connection, JSONSerializer).results()) == 1
 

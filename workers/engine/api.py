@@ -36,6 +36,7 @@ class RequestOutput:
     choice: int = 0  # which of the request's n answers this is
     choices: list[Choice] | None = None  # every answer, on the last output of a request with n > 1
     completion_tokens: int | None = None  # with best_of: every candidate's tokens; None: the answers' own
+    embeddings: list[str] | None = None  # an embedding request's vectors (OpenAI's base64), on its last output
     # The request's times (time.monotonic()): added to the engine, its first token, its latest token.
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -67,6 +68,7 @@ class RequestOutput:
             model=model,
             logprobs=first.logprobs,
             choices=self.choices,
+            embeddings=self.embeddings,
         )
 
 
@@ -100,6 +102,9 @@ class EngineStats:
     step_time_target_s: float = 0.0  # while urgent work is about (0: none)
     recent_step_s: float = 0.0  # a moving average of the steps' measured wall time
     vocab_size: int = 0  # the model's logits' width: what logit_bias ids must stay below (0: unknown)
+    tasks: str = "generate"  # what it serves, comma-separated: generate, embed
+    embedding_size: int = 0  # its embeddings' length (the model's hidden size); 0: it does not embed
+    matryoshka_dimensions: str = ""  # other lengths its embeddings can be cut to: "" none, "any", or a list
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from batcher.config import EngineConfig
+from batcher.config import TASK_EMBED, TASK_GENERATE, EngineConfig
 from batcher.logit_bias import logit_bias_problem
 from batcher.scheduler import Scheduler, StepPlan
 from batcher.scheduler.blocks import BlockAllocator, blocks_needed
@@ -28,6 +28,7 @@ from batcher.tools.prompt import chat_inputs, template_reads_tools
 from workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
 from workers.engine.choices import Choices
 from workers.engine.detokenize import IncrementalDetokenizer
+from workers.engine.embeddings import Embeddings, serving_tasks
 from workers.engine.logprobs import Logprobs
 from workers.engine.sampling import Sampler
 from workers.engine.structured import Grammars
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # One tiny request run before serving or timing keeps first-call costs (allocations, lazy init) out of both.
 WARMUP_REQUEST = GenerationRequest(prompt_token_ids=[100] * 16, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+WARMUP_EMBED_REQUEST = GenerationRequest(embed=[[100] * 16])  # on a worker that only embeds
 WARMUP_REQUEST_ID = "warmup"
 RECENT_STEP_WEIGHT = 0.1  # of the latest step in `recent_step_s`: a moving average over about ten steps
 
@@ -65,6 +67,8 @@ class Engine:
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         self.logprobs = Logprobs(loaded.tokenizer)
         self.choices = Choices()
+        self.tasks = serving_tasks(config.tasks, loaded.embedding, loaded.name)
+        self.embeddings = Embeddings(loaded, self.max_model_len, allocator.num_blocks * config.block_size)
         self.step_index = 0
         self.last_step: StepStats | None = None
         self.recent_step_s = 0.0
@@ -80,12 +84,20 @@ class Engine:
         so its first step prefills prompt + them (the prefix cache may hold the prompt) and decoding goes on with
         what is left of `max_tokens`. Its detokenizer, stop strings, grammar and logprobs are brought to where the
         earlier attempt left them; a choice that had already ended is reported ended by the next step."""
-        if request_id in self._requests or request_id in self.choices:
+        if request_id in self._requests or request_id in self.choices or request_id in self.embeddings:
             raise RequestError(f"request id {request_id!r} is already in the engine")
+        task = TASK_GENERATE if request.embed is None else TASK_EMBED
+        if task not in self.tasks:
+            raise RequestError(f"this worker does not serve {task} jobs: it serves {', '.join(self.tasks)} "
+                               f"with model {self.loaded.name!r}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if request.embed is not None:  # one prefill-only sequence per input
+            for seq in self.embeddings.add(request_id, request, arrival):
+                self.scheduler.add(seq)
+            return
         prompt_ids = self.tokenize(request)
         self._check_servable(prompt_ids, request)
         sequences = self.choices.expand(request_id, request)  # one per choice (n) or candidate (best_of)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         requests, ends = [], []  # ends: the reason of a choice that had ended in the earlier attempt
         try:
             for i, (sequence_id, sampling) in enumerate(sequences):
@@ -143,23 +155,27 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state, for metrics and the worker's published figures."""
-        scheduler = self.scheduler
+        scheduler, facts, embeds = self.scheduler, self.loaded.embedding, TASK_EMBED in self.tasks
         return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            free_slots=scheduler.free_slots, kv_cache_usage=scheduler.allocator.usage,
                            prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
                            last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions),
                            fairness_preemptions=scheduler.fairness_preemptions,
                            step_time_target_s=self.config.step_time_target, recent_step_s=self.recent_step_s,
-                           vocab_size=self.loaded.vocab_size)
+                           vocab_size=self.loaded.vocab_size, tasks=",".join(self.tasks),
+                           embedding_size=facts.size if embeds else 0,
+                           matryoshka_dimensions=facts.matryoshka if embeds else "")
 
     def warm_up(self) -> None:
         """Run one tiny request to the end, before serving or timing anything."""
-        self.add(WARMUP_REQUEST_ID, WARMUP_REQUEST)
+        self.add(WARMUP_REQUEST_ID, WARMUP_REQUEST if TASK_GENERATE in self.tasks else WARMUP_EMBED_REQUEST)
         while self.has_work():
             self.step()
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
         """End a request now, keeping what it generated. None if the engine does not hold it."""
+        if request_id in self.embeddings:
+            return self._end_embedding(request_id, reason=reason)
         outputs = []
         for sequence_id in self.choices.live(request_id):
             req = self._requests.get(sequence_id)
@@ -179,6 +195,7 @@ class Engine:
         computed, sampled, outputs = self._run(plan)
         outputs = ready + outputs
         finished = set(self.scheduler.update(computed, sampled))
+        outputs += [out for seq in finished if seq.embed and (out := self.embeddings.finish(seq)) is not None]
         for seq, token in sampled.items():
             req = self._requests[seq.request_id]
             try:
@@ -270,7 +287,7 @@ class Engine:
             if len(plan.num_tokens) == 1:
                 seq = next(iter(plan.num_tokens))
                 log.exception("request %s failed in the forward", seq.request_id)
-                failed = self._fail(self._requests[seq.request_id], f"{type(exc).__name__}: {exc}")
+                failed = self._fail_sequence(seq, f"{type(exc).__name__}: {exc}")
                 return StepPlan(preempted=plan.preempted), {}, [failed]
             log.warning("a step of %d sequences failed (%s); isolating the culprit", len(plan.num_tokens), exc)
         computed, sampled, failures = StepPlan(preempted=plan.preempted), {}, []
@@ -292,6 +309,8 @@ class Engine:
         captured = self.logprobs.capture(logits, seqs)  # the model's own numbers, before the sampler's changes
         tokens = self.sampler.sample(logits, seqs)
         self.logprobs.record(captured, seqs, tokens)
+        for seq, rows in self.runner.embedding_rows.items():  # last: a step that failed before pools nothing
+            self.embeddings.pool(seq, rows)
         return dict(zip(seqs, tokens))
 
     def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
@@ -343,6 +362,18 @@ class Engine:
         self.scheduler.finish(req.seq, "error")
         self._forget(req)
         return self._emit(req, error=error)
+
+    def _end_embedding(self, request_id: str, reason: str | None = None, error: str | None = None) -> RequestOutput:
+        out, live = self.embeddings.end(request_id, reason, error)
+        for seq in live:
+            self.scheduler.finish(seq, reason or "error")
+        return out
+
+    def _fail_sequence(self, seq: Sequence, error: str) -> RequestOutput:
+        """Fail the request of a sequence whose forward raised (an embedding input fails its whole request)."""
+        if seq.embed:
+            return self._end_embedding(self.embeddings.request_of(seq), error=error)
+        return self._fail(self._requests[seq.request_id], error)
 
     def _forget(self, req: _Request) -> None:
         """Drop the engine's per-request helpers of a sequence the scheduler has finished."""

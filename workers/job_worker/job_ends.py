@@ -7,13 +7,18 @@ writes nothing more of it, and another worker's run of the job is never overwrit
 
 from __future__ import annotations
 
+import logging
+
 from batcher.jobs import durability, keys
 from batcher.jobs.life import record_end
 from batcher.jobs.rq_adapter import BaseJobWorker
+from batcher.webhooks.outbox import dispatch_after
 from workers.job_worker.class_pick import charge_end_on
 from workers.job_worker.in_flight import InFlight
 from workers.job_worker.leases import fenced, release_on
 from workers.job_worker.stream_writer import StreamWriter
+
+log = logging.getLogger(__name__)
 
 
 def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlight]) -> list[InFlight]:
@@ -47,6 +52,8 @@ def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlig
     streams.after_transaction(replies, [f.id for f in recorded])
     if recorded:  # before they are forgotten: a failover now makes the next call record them again
         durability.confirm(worker.connection, f"the end of {len(recorded)} jobs", strict=False)
+    if any(f.request is not None and (f.request.batch or f.request.background_response) for f in recorded):
+        dispatch_after(worker.connection, "job ends")
     return recorded
 
 

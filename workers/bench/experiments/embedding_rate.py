@@ -1,0 +1,87 @@
+"""Embedding throughput through Redis and a real worker: many short inputs as one job (batched: each step embeds as
+many inputs as the slots and the token budget hold) against one job per input, each submitted once the previous
+one's result is back (a client that embeds one text at a time).
+
+    python -m workers.bench.experiments.embedding_rate --model smollm2 --inputs 1000 --threads 2
+
+Runs against a redis-server of its own (`workers.bench.private_redis`); the worker serves `--task embed` in a thread
+of this process (the bundled SmolLM2 is a causal LM: it embeds from its final hidden states). torch runs on
+`--threads` threads, set here and printed: on a shared CPU, threads fight. Prints inputs/s of both runs, their ratio,
+and the largest difference between the two runs' vectors (fp32: the batch a row lands in may move its last bits).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+
+import click
+import numpy as np
+import torch
+
+from batcher.client import Client
+from batcher.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MODEL, TASK_EMBED, EngineConfig
+from batcher.schema import GenerationRequest, GenerationResult
+from workers.bench.private_redis import private_redis
+from workers.bench.report import environment
+from workers.engine.engine import build_engine
+from workers.job_worker.worker import JobWorker
+
+QUEUE = "embedding-rate"
+RESULT_TIMEOUT_S = 3600
+TOPICS = ["queues", "batches", "streams", "workers", "leases", "tokens", "prefixes", "kernels"]
+
+
+def short_inputs(n: int) -> list[str]:
+    """`n` distinct short sentences (about ten tokens each)."""
+    return [f"Sentence {i} is about {TOPICS[i % len(TOPICS)]} and {TOPICS[i * 3 % len(TOPICS)]}." for i in range(n)]
+
+
+def decoded(result: GenerationResult) -> list[np.ndarray]:
+    return [np.frombuffer(base64.b64decode(e), "<f4") for e in result.embeddings]
+
+
+def timed(run) -> tuple[float, list[np.ndarray]]:
+    started = time.perf_counter()
+    vectors = run()
+    return time.perf_counter() - started, vectors
+
+
+@click.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="A model folder, a hub id or smollm2.")
+@click.option("--inputs", type=click.IntRange(1, 2048), default=1000, show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="torch CPU threads.")
+@click.option("--max-num-seqs", type=click.IntRange(1), default=DEFAULT_MAX_NUM_SEQS, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+              show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+def main(model: str, inputs: int, threads: int, max_num_seqs: int, max_num_batched_tokens: int, dtype: str) -> None:
+    torch.set_num_threads(threads)
+    engine = build_engine(EngineConfig(model=model, tasks=(TASK_EMBED,), dtype=dtype, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens))
+    engine.warm_up()
+    device, _ = environment(engine.runner.device)
+    texts = short_inputs(inputs)
+    with private_redis() as connection:
+        client = Client(connection, queue=QUEUE, max_queue_length=None)
+        worker = JobWorker([QUEUE], engine, connection=connection)
+        serving = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+        serving.start()
+        batched_s, batched = timed(
+            lambda: decoded(client.result(client.submit(GenerationRequest(embed=texts)), timeout=RESULT_TIMEOUT_S)))
+        single_s, single = timed(lambda: [decoded(client.result(client.submit(GenerationRequest(embed=[text])),
+                                                                timeout=RESULT_TIMEOUT_S))[0] for text in texts])
+        worker.request_stop(None, None)  # drain: nothing is in flight, so it exits at once
+        serving.join()
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(batched, single, strict=True))
+    click.echo(f"{device}, torch threads {threads}, {dtype}, model {model}, {max_num_seqs} slots, "
+               f"{max_num_batched_tokens} tokens a step")
+    click.echo(f"{inputs} short inputs as one job: {inputs / batched_s:.1f} inputs/s ({batched_s:.2f} s)")
+    click.echo(f"{inputs} one-by-one jobs: {inputs / single_s:.1f} inputs/s ({single_s:.2f} s)")
+    click.echo(f"batched / one-by-one: {single_s / batched_s:.2f}x; largest difference between their vectors "
+               f"{difference:.2e}")
+
+
+if __name__ == "__main__":
+    main()
