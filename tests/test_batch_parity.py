@@ -68,7 +68,7 @@ def test_usage_sums_the_output_lines_once_each_through_retries(fake_redis):
 
 def test_each_batch_end_pushes_exactly_one_outbox_event(fake_redis, monkeypatch):
     dispatches = []
-    monkeypatch.setattr(store, "dispatch", dispatches.append)  # keep the events in the outbox, to read them
+    monkeypatch.setattr(store, "dispatch_after", lambda connection, what: dispatches.append(connection))  # keep them
     client = Client(fake_redis)
     completed = client.create_batch(batch_lines(2), owner="tenant-a")
     for i in range(2):

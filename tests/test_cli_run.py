@@ -27,6 +27,9 @@ def test_run_writes_results_in_order_and_survives_bad_lines(tiny_model_dir, tmp_
                   "temperature": 0.8}},
         {"custom_id": "same-document", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": DOCUMENT + [11], "max_tokens": 2, "ignore_eos": True}},
+        {"custom_id": "response", "method": "POST", "url": "/v1/responses",
+         "body": {"input": "hello", "instructions": "Be brief.", "max_output_tokens": 3}},
+        {"custom_id": "embedding", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hello"}},
     ]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
@@ -35,7 +38,8 @@ def test_run_writes_results_in_order_and_survives_bad_lines(tiny_model_dir, tmp_
                                        "--max-model-len", "128", "--max-num-batched-tokens", "8", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     out = [json.loads(x) for x in dst.read_text().splitlines()]
-    assert [o["custom_id"] for o in out] == ["long", None, "too-long", "short", "chat", "same-document"]
+    assert [o["custom_id"] for o in out] == ["long", None, "too-long", "short", "chat", "same-document", "response",
+                                           "embedding"]
     long = out[0]["response"]["body"]
     assert long["choices"][0]["token_ids"] == reference_tokens(model, DOCUMENT + [5, 6, 7, 8], 12)
     assert long["choices"][0]["finish_reason"] == "length"
@@ -51,4 +55,8 @@ def test_run_writes_results_in_order_and_survives_bad_lines(tiny_model_dir, tmp_
     chat = out[4]["response"]["body"]  # a chat line is answered as a chat completion
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 3
     assert isinstance(chat["choices"][0]["message"]["content"], str)
-    assert "4 succeeded, 2 failed" in result.output
+    response = out[6]["response"]["body"]  # a responses line is answered as a response object
+    assert response["object"] == "response" and response["status"] in ("completed", "incomplete")
+    assert response["output"][0]["type"] == "message" and response["usage"]["output_tokens"] <= 3
+    assert "embed" in out[7]["error"]["message"]  # a causal LM's worker generates unless told --task embed
+    assert "5 succeeded, 3 failed" in result.output

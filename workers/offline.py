@@ -1,4 +1,5 @@
-"""`batcher run`: an OpenAI-format batch file through the engine, without Redis.
+"""`batcher run`: an OpenAI-format batch file through the engine, without Redis. Its lines may be of every batch
+endpoint (batcher/openai/batch_endpoints.py); each output line's id is its line's (`line-<index>`).
 
 A bad line becomes an error line and the rest of the file still runs; results keep input order.
 """
@@ -8,17 +9,13 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from batcher.openai.batch_lines import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    BatchLineError,
-    error_line,
-    parse_batch_line,
-    response_line,
-)
-from batcher.schema import GenerationRequest, Timings
+from batcher.openai.batch_endpoints import output_line, parse_line
+from batcher.openai.batch_lines import BatchLineError, error_line
+from batcher.schema import BatchItem, GenerationRequest, Timings
 from workers.engine.api import RequestError
 from workers.engine.engine import Engine
+
+OFFLINE_BATCH = "offline"  # the BatchItem's batch: no batch in Redis holds these lines
 
 
 def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] = lambda: None) -> list[dict]:
@@ -31,7 +28,9 @@ def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] 
         index = len(results)
         results.append(None)
         try:
-            custom_id, request = parse_batch_line(line)
+            custom_id, request, item_fields = parse_line(line)
+            request = request.model_copy(update={"batch": BatchItem(id=OFFLINE_BATCH, index=index,
+                                                                    custom_id=custom_id, **item_fields)})
             engine.add(f"line-{index}", request)
             pending[f"line-{index}"] = (index, custom_id, request)
         except BatchLineError as exc:
@@ -49,8 +48,8 @@ def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] 
             if out.error:
                 results[index] = error_line(custom_id, out.error, code="generation_failed")
             else:
-                endpoint = CHAT_URL if request.messages is not None else COMPLETIONS_URL
                 result = out.to_result(Timings(total_s=time.monotonic() - started), model=engine.loaded.name)
-                results[index] = response_line(custom_id, result, endpoint, request=request)
+                results[index] = output_line(custom_id, result, request, job_id=out.request_id,
+                                             created=int(time.time()))
             on_done()
     return results

@@ -63,7 +63,7 @@ def create_batch(enqueuer: Enqueuer, lines: Iterable[str | bytes], *, endpoint: 
         try:
             custom_id, request, item_fields = parse_line(_decoded(line), batch.endpoint)
             request = request.model_copy(update={
-                "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id, url=batch.endpoint, **item_fields),
+                "batch": BatchItem(id=batch.id, index=index, custom_id=custom_id, **item_fields),
                 "deadline": deadline,
                 "priority": priority, "service_class": BATCH, "tenant": owner})
             chunk.append((index, custom_id, request, None))

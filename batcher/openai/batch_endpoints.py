@@ -47,11 +47,12 @@ def parse_line_body(body: Any, url: str) -> GenerationRequest:
 
 def parse_line(line: str, endpoint: str | None = None) -> tuple[str | None, GenerationRequest, dict]:
     """(custom_id, request, the BatchItem fields the line sets) of a batch line of any endpoint
-    (batch_lines.parse_batch_line says how). An embeddings line sets its vectors' encoding_format, which the
+    (batch_lines.parse_batch_line says how): its url, and an embeddings line's encoding_format, which the
     worker that writes its output line reads from the job's BatchItem."""
     item_fields = {}
 
     def parse(body: Any, url: str) -> GenerationRequest:
+        item_fields["url"] = url
         if url == EMBEDDINGS_URL and isinstance(body, dict) and encoding_format_of(body) != DEFAULT_ENCODING_FORMAT:
             item_fields["encoding_format"] = encoding_format_of(body)
         return parse_line_body(body, url)
