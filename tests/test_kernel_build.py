@@ -216,13 +216,23 @@ def test_a_live_builder_is_waited_for_within_a_bound_with_log_lines_and_then_giv
 
 # ----- a worker killed in the middle of a kernel build -----
 
+def native_build_here() -> tuple[builds.Build, str]:
+    """The build a worker on this CPU class asks for (bf16 with AVX-512 BF16, fp32 on AVX2 without AVX-512), and the
+    dtype that makes it ask."""
+    flags = native.cpu_flags()
+    for build, dtype in ((native.BF16, "bfloat16"), (native.FP32, "float32")):
+        if all(f in flags for f in build.cpu_flags) and not any(f in flags for f in build.excluded_by):
+            return build, dtype
+    pytest.skip("this CPU runs neither native build")
+
+
 def start_worker(url: str, model_dir: Path, log_path: Path, env: dict) -> tuple[str, subprocess.Popen]:
-    """A real `batcher worker` in bf16 (its runner asks `kernels.native` for the bf16 build at start), in a session
-    of its own so that it can be killed with its compilers, as a container or pod is."""
+    """A real `batcher worker` in the dtype of this CPU's native build (its runner asks `kernels.native` for that
+    build at start), in a session of its own so that it can be killed with its compilers, as a container or pod is."""
     name = f"kb-{uuid.uuid4().hex[:8]}"
     command = [sys.executable, "-m", "batcher", "worker", "--redis-url", url, "--queue", "kernels", "--model",
-               str(model_dir), "--device", "cpu", "--dtype", "bfloat16", "--num-blocks", "64", "--max-num-seqs", "2",
-               "--name", name]
+               str(model_dir), "--device", "cpu", "--dtype", native_build_here()[1], "--num-blocks", "64",
+               "--max-num-seqs", "2", "--name", name]
     env = {**without_build_request(), **WORKER_ENV, "PYTHONPATH": str(ROOT), **env}
     process = subprocess.Popen(command, env=env, cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=log_path.open("w"), start_new_session=True)
@@ -238,11 +248,12 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 def kill_a_worker_midway_through_its_build(tmp_path, tiny_model_dir, url: str, cache: Path) -> int:
-    """Start a worker asked to build the bf16 kernels, wait until its compilers run, SIGKILL it (and them)."""
+    """Start a worker asked to build this CPU's kernels, wait until its compilers run, SIGKILL it (and them)."""
     log_path = tmp_path / "killed.log"
     name, killed = start_worker(url, tiny_model_dir("llama"), log_path, {builds.DIR_ENV: str(cache),
                                                                           builds.BUILD_ENV: "1"})
-    lock = builds.lock(native.BF16, cache)
+    build = native_build_here()[0]
+    lock = builds.lock(build, cache)
     try:
         deadline = time.monotonic() + SERVING_BOUND_S
         while not (lock.path.is_file() and (lock.record() or {}).get("pid") == killed.pid
@@ -250,7 +261,8 @@ def kill_a_worker_midway_through_its_build(tmp_path, tiny_model_dir, url: str, c
             assert killed.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, f"the worker did not start its build: {log_path.read_text()}"
             time.sleep(0.1)
-        assert re.search(r"WARNING kernels.build: building the bf16 CPU kernels \(7 sources\) under "
+        assert re.search(rf"WARNING kernels.build: building the {build.label} CPU kernels \({len(build.sources)} "
+                         r"sources\) under "
                          rf"{re.escape(str(cache))}: this takes about \d+ min on \d+ cores?", log_path.read_text())
     finally:
         kill_group(killed)
@@ -285,12 +297,14 @@ def test_a_worker_killed_midway_through_a_kernel_build_leaves_the_next_worker_se
     finally:
         kill_group(worker)
     log = log_path.read_text()
-    lock = builds.lock(native.BF16, cache)
-    assert re.search(rf"WARNING kernels.build_lock: the bf16 CPU kernels' build by pid {dead} on \S+ "
+    build = native_build_here()[0]
+    lock = builds.lock(build, cache)
+    assert re.search(rf"WARNING kernels.build_lock: the {build.label} CPU kernels' build by pid {dead} on \S+ "
                      rf"\(started \d+ s ago\) never finished: its process died and left its lock "
                      rf"\({re.escape(str(lock.path))}\), which is now free; cleared it and its partial build "
                      rf"\(1 folder\(s\)\)", log), log
-    assert re.search(r"WARNING kernels.native: bf16 CPU kernels unavailable \(not built for these sources and torch "
+    assert re.search(rf"WARNING kernels.native: {build.label} CPU kernels unavailable \(not built for these sources "
+                     r"and torch "
                      r".*`python -m kernels.native` builds them \(about \d+ min on \d+ cores?\); a worker started "
                      r"with BATCHER_BUILD_KERNELS=1 builds them at its start\): torch's kernels run instead", log), log
     assert lock.record() is None and not list(lock.folder.parent.glob(".*.tmp-*"))
@@ -316,5 +330,6 @@ def test_a_worker_asked_to_build_after_a_killed_build_clears_it_builds_and_serve
         kill_group(worker)
     log = log_path.read_text()
     assert f"build by pid {dead} on " in log and "never finished: its process died" in log
-    assert "building the bf16 CPU kernels (7 sources)" in log and "unavailable" not in log
-    assert builds.library(native.BF16, cache).is_file()
+    build = native_build_here()[0]
+    assert f"building the {build.label} CPU kernels ({len(build.sources)} sources)" in log and "unavailable" not in log
+    assert builds.library(build, cache).is_file()

@@ -202,7 +202,7 @@ def test_faults_come_back_as_the_sdks_typed_exceptions(gateway):
         a.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 1)), purpose="batch")
     assert too_large.value.status_code == 413 and too_large.value.code == "file_too_large"
     with pytest.raises(openai.BadRequestError):
-        a.batches.create(input_file_id="file-nope", endpoint="/v1/embeddings", completion_window="24h")
+        a.batches.create(input_file_id="file-nope", endpoint="/v1/moderations", completion_window="24h")
 
 
 def test_a_client_that_leaves_cancels_its_job_streaming_or_waiting(gateway):

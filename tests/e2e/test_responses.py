@@ -221,8 +221,19 @@ def test_a_background_response_survives_its_worker_and_its_stream_has_no_gap_and
     client = Client(url, queue=QUEUE)
     queued = a.responses.create(model=MODEL, input="hi", background=True, text=long_format(), max_output_tokens=600)
     job_id = queued.id.removeprefix("resp_")
-    wait_for(lambda: connection.xlen(stream_key(job_id)) > 20, 60, "tokens to flow")
-    running_on = client.status(job_id).worker
+
+    def frozen_mid_answer() -> str | None:
+        """The worker running the job, stopped (SIGSTOP) the moment tokens flow: a tiny model answers in under a
+        second, so it is frozen before it can finish, and killed only once the test knows it had not."""
+        if connection.xlen(stream_key(job_id)) <= 20:
+            return None
+        running_on = client.status(job_id).worker
+        workers[running_on].send_signal(signal.SIGSTOP)
+        return running_on
+
+    running_on = wait_for(frozen_mid_answer, 60, "tokens to flow", interval=0.005)
+    streamed = [StreamEvent.from_fields(fields).type for _, fields in connection.xrange(stream_key(job_id))]
+    assert "done" not in streamed, "the job ended before its worker was stopped"
     workers[running_on].send_signal(signal.SIGKILL)
     done = finished(a, queued.id, timeout=120)
     result = client.result(job_id, timeout=10)
