@@ -90,10 +90,12 @@ def sdk_runs(base: str, texts: list[str]):
     return (lambda: vectors(texts)), (lambda: [vectors([text])[0] for text in texts])
 
 
-def client_runs(client: Client, texts: list[str]):
-    """(all inputs in one job, one job per input), through batcher's Client."""
+def client_runs(client: Client, model: str, texts: list[str]):
+    """(all inputs in one job, one job per input), through batcher's Client, naming the model as the gateway does
+    (an idle worker blocks on its model's queue)."""
     def vectors(inputs: list[str]) -> list[np.ndarray]:
-        return decoded(client.result(client.submit(GenerationRequest(embed=inputs)), timeout=RESULT_TIMEOUT_S))
+        request = GenerationRequest(embed=inputs, model=model)
+        return decoded(client.result(client.submit(request), timeout=RESULT_TIMEOUT_S))
 
     return (lambda: vectors(texts)), (lambda: [vectors([text])[0] for text in texts])
 
@@ -133,7 +135,7 @@ def main(model: str, inputs: int, threads: int, max_num_seqs: int, max_num_batch
             if through == "gateway":
                 all_at_once, one_by_one = sdk_runs(stack.enter_context(gateway(connection, QUEUE)), texts)
             else:
-                all_at_once, one_by_one = client_runs(client, texts)
+                all_at_once, one_by_one = client_runs(client, model, texts)
             batched_s, batched = timed(all_at_once)
             single_s, single = timed(one_by_one)
         worker.request_stop(None, None)  # drain: nothing is in flight, so it exits at once
