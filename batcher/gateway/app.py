@@ -102,6 +102,7 @@ def create_app(config: GatewayConfig, connection: Redis, aconnection: AsyncRedis
     ])
     app.state.config = config
     app.state.client = Client(connection, queue=config.queue, max_queue_length=config.max_queue_length)
+    app.state.responses_client = response_routes.responses_client(connection, config.queue, config.max_queue_length)
     app.state.files = FileStore(connection, config.file_limits)
     app.state.aconnection = aconnection
     app.state.metrics = gateway_metrics

@@ -129,7 +129,11 @@ def served_models(client: Client) -> list[str]:
 def _served_model(client: Client, request: GenerationRequest) -> str:
     """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it, and 400
     if its logit_bias names a token outside that model's vocabulary (as its workers publish it)."""
-    live = _live_workers(client)
+    return served_model_among(_live_workers(client), request)
+
+
+def served_model_among(live: list[WorkerStats], request: GenerationRequest) -> str:
+    """`_served_model`, among the live workers of the queue already read."""
     served = sorted({w.model for w in live})
     if request.model is None and served:
         model = served[0] if len(served) == 1 else ""

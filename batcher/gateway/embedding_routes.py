@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 from batcher.client import Client
 from batcher.gateway.body import read_json
-from batcher.gateway.completions import _live_workers, _result_when_ended, _served_model
+from batcher.gateway.completions import _live_workers, _result_when_ended, served_model_among
 from batcher.gateway.error_objects import ApiError
 from batcher.jobs.worker_stats import WorkerStats
 from batcher.openai.batch_lines import BodyError
@@ -51,8 +51,8 @@ async def create_embeddings(request: Request) -> JSONResponse:
 
 def _enqueue(client: Client, request: GenerationRequest) -> str:
     """The job id, once the live workers that may take the job can answer it (ApiError otherwise)."""
-    _served_model(client, request)  # 404 model_not_found
     live = _live_workers(client)
+    served_model_among(live, request)  # 404 model_not_found
     takers = [w for w in live if request.model is None or w.model == request.model]
     if not all(_embeds(w) for w in takers):
         embedders = sorted({w.model for w in live if _embeds(w)})

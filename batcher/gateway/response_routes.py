@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from redis import Redis
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -47,17 +48,14 @@ FINISHED_STATUSES = ("completed", "incomplete")
 DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100  # OpenAI's for input_items
 
 
+def responses_client(connection: Redis, queue: str, max_queue_length: int | None) -> Client:
+    """The gateway's client for stored responses: their jobs' results and streams are kept as long as the records."""
+    return Client(connection, queue=queue, max_queue_length=max_queue_length,
+                  result_ttl=DEFAULT_RESPONSE_RETENTION_S, failure_ttl=DEFAULT_RESPONSE_RETENTION_S)
+
+
 def _client(request: Request) -> Client:
-    """The gateway's client, with results and streams kept as long as the responses' records."""
-    app = request.app
-    client = getattr(app.state, "responses_client", None)
-    if client is None:
-        base = app.state.client
-        client = Client(base.connection, queue=base.queue, result_ttl=DEFAULT_RESPONSE_RETENTION_S,
-                        failure_ttl=DEFAULT_RESPONSE_RETENTION_S, max_queue_length=base.enqueuer.max_queue_length,
-                        replica_wait=base.enqueuer.replica_wait)
-        app.state.responses_client = client
-    return client
+    return request.app.state.responses_client
 
 
 def _records(request: Request) -> ResponseRecords:

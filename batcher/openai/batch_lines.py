@@ -119,10 +119,7 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         request["model"] = body["model"]
     request.update({k: body[k] for k in CONSTRAINT_FIELDS if body.get(k) is not None})
     if body.get("service_tier") is not None:
-        if body["service_tier"] not in SERVICE_TIERS:
-            raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {body['service_tier']!r}",
-                            param="service_tier")
-        request["service_class"] = SERVICE_TIERS[body["service_tier"]]
+        request["service_class"] = service_class_of(body["service_tier"])
     if url == CHAT_URL:
         request["messages"] = chat_messages(body.get("messages"))
     else:
@@ -131,12 +128,25 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
             request["prompt_token_ids"] = prompt
         else:
             request["prompt"] = prompt
+    return validated(request, _body_param)
+
+
+def service_class_of(tier: Any) -> str:
+    """batcher's service class for OpenAI's `service_tier` (BodyError naming it for another tier)."""
+    if tier not in SERVICE_TIERS:
+        raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {tier!r}", param="service_tier")
+    return SERVICE_TIERS[tier]
+
+
+def validated(request: dict, param_of: Callable[[tuple], str | None]) -> GenerationRequest:
+    """The job of a body read into `request`; BodyError with pydantic's reason and the body field at fault
+    (`param_of` maps an error's location to it). The tools' grammar is checked whole: each schema was alone."""
     try:
         generation = GenerationRequest.model_validate(request)
     except ValidationError as exc:
         loc = exc.errors()[0]["loc"] if exc.errors() else ()
-        raise BodyError(readable(exc), param=_body_param(loc)) from None
-    if generation.calls_tools:  # each tool's schema is checked alone; this checks the grammar of all of them
+        raise BodyError(readable(exc), param=param_of(loc)) from None
+    if generation.calls_tools:
         try:
             generation.grammar()
         except InvalidConstraint as exc:

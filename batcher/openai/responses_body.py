@@ -12,10 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
-
-from batcher.constraints import InvalidConstraint
-from batcher.openai.batch_lines import BodyError, openai_metadata, readable
+from batcher.openai.batch_lines import BodyError, openai_metadata, service_class_of, validated
 from batcher.openai.response_items import (
     INCOMPLETE_FINISHES,
     chat_response_format,
@@ -27,7 +24,7 @@ from batcher.openai.response_items import (
     tool_choice_echo,
     tools_echo,
 )
-from batcher.openai.service_tiers import SERVICE_TIERS, TIER_OF_CLASS
+from batcher.openai.service_tiers import TIER_OF_CLASS
 from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, Usage
 from batcher.service_class import class_of
 
@@ -99,21 +96,8 @@ def parse_responses_body(body: Any, extra_fields: tuple[str, ...] = (), *, batch
     if "metadata" in body:
         request["metadata"] = openai_metadata(body["metadata"])
     if "service_tier" in body:
-        if body["service_tier"] not in SERVICE_TIERS:
-            raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {body['service_tier']!r}",
-                            param="service_tier")
-        request["service_class"] = SERVICE_TIERS[body["service_tier"]]
-    try:
-        generation = GenerationRequest.model_validate(request)
-    except ValidationError as exc:
-        loc = exc.errors()[0]["loc"] if exc.errors() else ()
-        raise BodyError(readable(exc), param=_param(loc)) from None
-    if generation.calls_tools:  # each tool's schema is checked alone; this checks the grammar of all of them
-        try:
-            generation.grammar()
-        except InvalidConstraint as exc:
-            raise BodyError(str(exc), param="tools") from None
-    return generation
+        request["service_class"] = service_class_of(body["service_tier"])
+    return validated(request, _param)
 
 
 def _check_flags(body: dict) -> None:
