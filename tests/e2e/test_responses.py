@@ -223,9 +223,10 @@ def test_a_background_response_survives_its_worker_and_its_stream_has_no_gap_and
     job_id = queued.id.removeprefix("resp_")
 
     def frozen_mid_answer() -> str | None:
-        """The worker running the job, stopped (SIGSTOP) the moment tokens flow: a tiny model answers in under a
-        second, so it is frozen before it can finish, and killed only once the test knows it had not."""
-        if connection.xlen(stream_key(job_id)) <= 20:
+        """The worker running the job, stopped (SIGSTOP) at its first tokens: a tiny model answers in under a
+        second, and its stream writer sends many tokens a flush, so it is frozen before it can finish, and killed
+        only once the test knows it had not."""
+        if connection.xlen(stream_key(job_id)) < 2:  # its `start`, then its first tokens
             return None
         running_on = client.status(job_id).worker
         workers[running_on].send_signal(signal.SIGSTOP)
