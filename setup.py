@@ -3,9 +3,9 @@ builds, compiled into the wheel's `kernels/_prebuilt/` by `python -m kernels.bui
 compiler are in the build environment.
 
 torch is deliberately not a build requirement: with pip's build isolation (the default) the build environment
-has setuptools only, so the wheel is the light, pure one (`pip install batcher` for producers never pulls torch)
+has setuptools only, so the wheel is the light, pure one (`pip install rqbatcher` for producers never pulls torch)
 and this step says why it skips. To build a wheel that carries the kernels, install torch first and build without
-isolation: `pip install --no-build-isolation 'batcher[worker]'` or `pip wheel --no-build-isolation .`. That wheel
+isolation: `pip install --no-build-isolation "rqbatcher[worker]"` or `pip wheel --no-build-isolation .`. That wheel
 is tagged for this Python and platform, and its kernels load only with the torch version they were built against
 (`kernels/native.py` says how each install path gets its kernels). A wheel without them carries a marker instead
 (`kernels.build.BUILD_AT_START`): its workers build the kernels at their start, before their first request, with a
@@ -21,12 +21,26 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.dist import Distribution
 
 HERE = Path(__file__).resolve().parent
 SKIP_ENV = "BATCHER_KERNELS_AT_INSTALL"
+# Each folder of the checkout and the import name it installs under: `batcher`, `workers` and `kernels` are other
+# distributions' names on the package registry (Hugging Face's `kernels` among them), `rqbatcher` is ours.
+PACKAGE_FOLDERS = {"rqbatcher": "batcher", "rqbatcher.workers": "workers", "rqbatcher.kernels": "kernels"}
+NOT_SHIPPED = ["bench.experiments", "bench.experiments.*"]  # development experiments: run from a checkout
+PACKAGE_DATA = {"rqbatcher": ["data/*.jsonl"], "rqbatcher.workers": ["bench/workloads/*.jsonl"],
+                "rqbatcher.kernels": ["csrc/*.cpp", "csrc/*.h"]}
+
+
+def packages() -> list[str]:
+    """Every package under the mapped folders, by its installed name."""
+    found = []
+    for name, folder in PACKAGE_FOLDERS.items():
+        found += [name] + [f"{name}.{sub}" for sub in find_packages(HERE / folder, exclude=NOT_SHIPPED)]
+    return found
 
 
 @functools.cache
@@ -46,7 +60,7 @@ def why_no_kernels() -> str | None:
 class BuildPyWithKernels(build_py):
     def run(self) -> None:
         super().run()
-        target = Path(self.build_lib) / "kernels" / "_prebuilt"
+        target = Path(self.build_lib) / "rqbatcher" / "kernels" / "_prebuilt"
         shutil.rmtree(target, ignore_errors=True)  # never a stale copy from an earlier build
         if self.editable_mode:  # an editable install reads the checkout: `python -m kernels.native` builds there
             return
@@ -57,11 +71,11 @@ class BuildPyWithKernels(build_py):
             target.mkdir(parents=True)
             (target / "BUILD_AT_START").write_text(f"This install carries no prebuilt CPU kernels: {reason}.\n")
             return
-        sys.path.insert(0, str(HERE))  # this tree's kernels package, not an installed one
+        sys.path.insert(0, self.build_lib)  # the package as this build laid it out, not an installed one
         try:
-            from kernels import build as kernel_build
+            from rqbatcher.kernels import build as kernel_build
         finally:
-            sys.path.remove(str(HERE))
+            sys.path.remove(self.build_lib)
         print(f"batcher: building the CPU kernels into the wheel ({target})", file=sys.stderr)
         if kernel_build.main(["--into", str(target)]) != 0:
             print("batcher: a kernel build failed (above); the wheel carries what did build, and workers run "
@@ -76,4 +90,5 @@ class KernelsDistribution(Distribution):
         return why_no_kernels() is None
 
 
-setup(distclass=KernelsDistribution, cmdclass={"build_py": BuildPyWithKernels})
+setup(packages=packages(), package_dir=PACKAGE_FOLDERS, package_data=PACKAGE_DATA, distclass=KernelsDistribution,
+      cmdclass={"build_py": BuildPyWithKernels})

@@ -1,3 +1,3 @@
-from batcher.cli import main
+from rqbatcher.cli import main
 
 main()

@@ -1,7 +1,7 @@
 """Client: enqueue generation jobs on Redis, follow their token streams, and read their results.
 
-Jobs are plain RQ jobs (`batcher.jobs.generate`, JSON serializer), so rq's own tools see them too.
-No torch here: a backend needs only `pip install batcher`.
+Jobs are plain RQ jobs (`rqbatcher.jobs.generate`, JSON serializer), so rq's own tools see them too.
+No torch here: a backend needs only `pip install rqbatcher`.
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher.batches import ingest
-from batcher.batches.batch_object import (
+from rqbatcher.batches import ingest
+from rqbatcher.batches.batch_object import (
     DEFAULT_BATCH_RETENTION_S,
     DEFAULT_COMPLETION_WINDOW,
     Batch,
     BatchInputError,
     BatchNotFound,
 )
-from batcher.batches.store import BatchStore
-from batcher.errors import BatcherError
-from batcher.jobs import connection as redis_connection
-from batcher.jobs import durability, keys
-from batcher.jobs import life as job_life
-from batcher.jobs.admin import list_workers
-from batcher.jobs.enqueue import (
+from rqbatcher.batches.store import BatchStore
+from rqbatcher.errors import BatcherError
+from rqbatcher.jobs import connection as redis_connection
+from rqbatcher.jobs import durability, keys
+from rqbatcher.jobs import life as job_life
+from rqbatcher.jobs.admin import list_workers
+from rqbatcher.jobs.enqueue import (
     DEFAULT_FAILURE_TTL_S,
     DEFAULT_MAX_QUEUE_LENGTH,
     DEFAULT_QUEUE_TTL_S,
@@ -41,12 +41,12 @@ from batcher.jobs.enqueue import (
     QueueFull,
     as_request,
 )
-from batcher.jobs.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
-from batcher.jobs.life import TERMINAL_STATUSES
-from batcher.jobs.redis_retry import retry_while_unreachable
-from batcher.jobs.stream import Read, read_events
-from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
-from batcher.webhooks.outbox import dispatch_after
+from rqbatcher.jobs.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
+from rqbatcher.jobs.life import TERMINAL_STATUSES
+from rqbatcher.jobs.redis_retry import retry_while_unreachable
+from rqbatcher.jobs.stream import Read, read_events
+from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
+from rqbatcher.webhooks.outbox import dispatch_after
 
 __all__ = ["Client", "connect", "JobFailed", "JobNotFound", "QueueFull", "JobInfo", "Batch", "BatchNotFound",
            "BatchInputError", "Completion", "DEFAULT_MAX_QUEUE_LENGTH"]
@@ -89,7 +89,7 @@ class JobInfo:
 
 def connect(redis_url: str | None = None) -> Redis:
     """A Redis client for `redis_url`, else $BATCHER_REDIS_URL, else localhost (every form of
-    batcher.jobs.connection)."""
+    rqbatcher.jobs.connection)."""
     return redis_connection.connect(redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
 
 

@@ -10,7 +10,7 @@ DEFAULT_MAX_NUM_SEQS = 32
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-DEFAULT_DTYPE = "auto"  # the fastest dtype the device has, measured at start-up (workers.model.precision)
+DEFAULT_DTYPE = "auto"  # the fastest dtype the device has, measured at start-up (rqbatcher.workers.model.precision)
 DEFAULT_DEVICE = "auto"
 DEFAULT_PREFIX_CACHING = True  # as in vLLM: at a 0% hit rate it costs a hash per filled block
 # bf16 on our CPU kernels: a request's tokens do not depend on what else runs (docs/batch-invariance.md)
@@ -46,7 +46,7 @@ class EngineConfig:
     policy: Policy = "continuous"
     compile: bool = False  # torch.compile the forward of small steps: faster steps, a slower start
     prefix_caching: bool = DEFAULT_PREFIX_CACHING
-    batch_invariant: bool = DEFAULT_BATCH_INVARIANT  # bf16 on a CPU where kernels.native runs; fp32 always is
+    batch_invariant: bool = DEFAULT_BATCH_INVARIANT  # bf16 on a CPU where rqbatcher.kernels.native runs; fp32 always is
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     min_batch_share: float = DEFAULT_MIN_BATCH_SHARE
     step_time_target: float = DEFAULT_STEP_TIME_TARGET_S  # seconds; 0 turns the target off

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import llguidance
 
-from batcher.errors import BatcherError
+from rqbatcher.errors import BatcherError
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_REGEX_CHARS = 4096

@@ -1,12 +1,12 @@
 """Whether a request's `logit_bias` fits a model's vocabulary: one check for the gateway (with the vocabulary size
-its live workers publish, `batcher.jobs.worker_stats.WorkerStats.vocab_size`) and the engine (with its own).
+its live workers publish, `rqbatcher.jobs.worker_stats.WorkerStats.vocab_size`) and the engine (with its own).
 
 The schema bounds the ids alone (`SamplingParams.logit_bias`); only a model knows its vocabulary. No torch here.
 """
 
 from __future__ import annotations
 
-from batcher.schema import SamplingParams
+from rqbatcher.schema import SamplingParams
 
 UNKNOWN_VOCAB_SIZE = 0  # what an older worker publishes: no check can be made
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from batcher import constraints
+from rqbatcher import constraints
 
 MAX_SCHEMA_NAME_CHARS = 64
 

@@ -11,12 +11,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from batcher import constraints
-from batcher.response_format import ResponseFormat
-from batcher.sampling_params import SamplingParams
-from batcher.tools import definitions as tool_defs
-from batcher.tools.definitions import Tool, ToolCall, ToolChoice
-from batcher.tools.grammar import tool_grammar
+from rqbatcher import constraints
+from rqbatcher.response_format import ResponseFormat
+from rqbatcher.sampling_params import SamplingParams
+from rqbatcher.tools import definitions as tool_defs
+from rqbatcher.tools.definitions import Tool, ToolCall, ToolChoice
+from rqbatcher.tools.grammar import tool_grammar
 
 MAX_PROMPT_BYTES = 1 << 20
 MAX_PROMPT_TOKEN_IDS = 1 << 17
@@ -321,7 +321,7 @@ class StreamEvent(_Tolerant):
 
     A job rerun after a crash or a lost lease goes on where its stream stopped: its execution writes `start`,
     then the next tokens (their `index` continues), so a reader sees one uninterrupted text; readers keep only
-    events of the execution of the latest `start` or `restart` (`batcher.jobs.stream.AttemptFilter`). `restart`
+    events of the execution of the latest `start` or `restart` (`rqbatcher.jobs.stream.AttemptFilter`). `restart`
     is rare: a rerun writes it first only when its stream cannot be continued (trimmed, or a gap a failover
     left); readers then drop the text so far. Unknown fields are ignored, so older readers keep working when
     events grow.

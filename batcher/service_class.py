@@ -7,8 +7,8 @@ of a batch, and a single request with OpenAI's `service_tier: "flex"`). Within a
 
     priority level 0 ... 9, then interactive level 0 ... 9, then batch level 0 ... 9
 
-Each class has its own RQ queues (`batcher.jobs.queues`); OpenAI's service tiers map onto the classes
-(`batcher.openai.service_tiers`).
+Each class has its own RQ queues (`rqbatcher.jobs.queues`); OpenAI's service tiers map onto the classes
+(`rqbatcher.openai.service_tiers`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ RANK = {name: rank for rank, name in enumerate(CLASSES)}
 ServiceClass = Literal["priority", "interactive", "batch"]
 
 # A batch line whose batch has less than this left is due: the pick takes it before other batch work, as urgent
-# work (`batcher.jobs.fairness`), and the engine runs it at interactive urgency, never preempting it for
+# work (`rqbatcher.jobs.fairness`), and the engine runs it at interactive urgency, never preempting it for
 # interactive work.
 DEADLINE_BOOST_S = 15 * 60
 

@@ -13,9 +13,9 @@ Each layer writes the new keys and values of *all* sequences before any of them 
 caching, a sequence may start from blocks that another sequence fills in the same step.
 
 On a CPU, decodes at long contexts and prompt chunks after cached keys take the fused path of
-`kernels.segmented` (flash attention over views of the cache, merged by log-sum-exp) when the runner gives
+`rqbatcher.kernels.segmented` (flash attention over views of the cache, merged by log-sum-exp) when the runner gives
 their keys as runs of cache rows (`decode_runs`, `context_runs`). On the cpu backend the decodes take the bf16
-kernel of `kernels.native` instead, and in bf16 so do prompt chunks (`native.prefill`: the chunk over all its
+kernel of `rqbatcher.kernels.native` instead, and in bf16 so do prompt chunks (`native.prefill`: the chunk over all its
 keys, cached and its own, straight from the paged cache); with `AttentionMetadata.batch_invariant` a query gets
 the same bits from both (docs/batch-invariance.md). The padded, masked paths below are the
 reference, and serve sliding windows, short contexts and other devices.
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import native, segmented
-from kernels.segmented import Keys, key_rows
+from rqbatcher.kernels import native, segmented
+from rqbatcher.kernels.segmented import Keys, key_rows
 
 ATTENTION_NAME = "batcher_paged"
 SEGMENTED_DECODE_MIN_KEYS = 160  # below this mean context, one padded call for a group beats a call per decode
@@ -48,7 +48,7 @@ class PrefillSpan:
     ctx_start: int
     context_blocks: torch.Tensor | None
     context_runs: Keys | None = None  # the cache rows of the `ctx_start` keys before the chunk (fused path)
-    native: bool = False  # read by `kernels.native.prefill` (the cpu backend in bf16), `context_blocks` set
+    native: bool = False  # read by `rqbatcher.kernels.native.prefill` (the cpu backend in bf16), `context_blocks` set
 
     @classmethod
     def of(cls, q_start: int, q_len: int, ctx_start: int, block_table: list[int], block_size: int,
@@ -81,7 +81,7 @@ class DecodeGroup:
     shared_blocks: int = 0  # how many blocks of the single row all decodes share
     runs: list[Keys] | None = None  # each decode's keys as runs of cache rows: the fused path (`decode_runs`)
     prefix_runs: Keys | None = None  # shared: the prefix's keys as runs of cache rows (`shared_prefix_runs`)
-    native: bool = False  # read by `kernels.native`'s bf16 decode kernel (the cpu backend)
+    native: bool = False  # read by `rqbatcher.kernels.native`'s bf16 decode kernel (the cpu backend)
 
 
 @dataclass
@@ -294,7 +294,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetad
            scaling: float, sliding_window: int | None) -> torch.Tensor:
     """One layer's attention over the step: `q [T, H, D]`, `k/v [T, Hkv, D]`; it also writes the new
     keys and values to the layer's cache. Rows past `md.num_tokens` are padding: they get zeros."""
-    if getattr(md, "backend", None) == "triton":  # kernels.triton_attention.FlatAttentionMetadata
+    if getattr(md, "backend", None) == "triton":  # rqbatcher.kernels.triton_attention.FlatAttentionMetadata
         return md.attend(q, k, v, layer_idx, scaling, sliding_window)
     n = md.num_tokens
     k_cache, v_cache = md.kv_caches[layer_idx]

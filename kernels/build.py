@@ -1,5 +1,5 @@
 """The CPU kernels' builds (`kernels/csrc`): what each is made of (`BF16`, `FP32`), where a build lives, how a
-process finds one, and how one is made (`python -m kernels.build`, the Docker image's build step).
+process finds one, and how one is made (`python -m rqbatcher.kernels.build`, the Docker image's build step).
 
 A build lives in a folder keyed by what it is made of: torch's version, the Python ABI, and a digest of its
 sources, headers and compile flags, `<root>/<build name>/<torch>-<python>-<digest>/<build name>.so`. Builds of
@@ -7,10 +7,10 @@ other sources or another torch sit beside it, so two versions on one machine nev
 
 The roots, in the order `find` reads them:
 - `kernels/_prebuilt/` inside the installed package, read only: what a wheel or the Docker image carries,
-  written by `python -m kernels.build` (the image's build stage runs it; setup.py does for a wheel built where
+  written by `python -m rqbatcher.kernels.build` (the image's build stage runs it; setup.py does for a wheel built where
   torch and a compiler are present);
 - the cache, `$BATCHER_KERNELS_DIR` or else `$XDG_CACHE_HOME/batcher-kernels` (`~/.cache/batcher-kernels`):
-  what `python -m kernels.native` (`make setup`) and a worker started with `BATCHER_BUILD_KERNELS=1` build.
+  what `python -m rqbatcher.kernels.native` (`make setup`) and a worker started with `BATCHER_BUILD_KERNELS=1` build.
 
 A build compiles each source with the command lines torch's JIT writes for a CPU extension (its public include
 and library paths; no ninja, no torch `lock` file), in parallel (`MAX_JOBS`, else the CPUs this process may run
@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.build_lock import Lock, NotReady
+from rqbatcher.kernels.build_lock import Lock, NotReady
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def library(build: Build, root: Path) -> Path:
 
 
 def lock(build: Build, root: Path) -> Lock:
-    """The lock of the build's folder under `root` (`kernels.build_lock`)."""
+    """The lock of the build's folder under `root` (`rqbatcher.kernels.build_lock`)."""
     return Lock(build.label, library(build, root).parent)
 
 
@@ -309,7 +309,7 @@ def load(build: Build, build_missing: bool):
 
 def main(argv: list[str] | None = None) -> int:
     every = {one.label: one for one in (BF16, FP32)}
-    parser = argparse.ArgumentParser(prog="python -m kernels.build", description=(
+    parser = argparse.ArgumentParser(prog="python -m rqbatcher.kernels.build", description=(
         "Build the CPU kernels, every build whatever this CPU runs, into a folder that loads without a compiler. "
         "The Docker image's build stage runs it; so does setup.py for a wheel, where torch is importable."))
     parser.add_argument("--into", type=Path, default=PREBUILT,

@@ -1,4 +1,4 @@
-"""The CPU kernels of `kernels/csrc`, built ahead of time (`kernels.build`) and loaded without a compiler.
+"""The CPU kernels of `kernels/csrc`, built ahead of time (`rqbatcher.kernels.build`) and loaded without a compiler.
 
 Two builds, each for the CPUs whose instructions it uses. On a CPU with AVX-512 BF16 (`BF16`), they take
 the places of a bf16 step where torch's own kernels fall short:
@@ -11,7 +11,7 @@ the places of a bf16 step where torch's own kernels fall short:
 - prefill attention (`prefill`: on AMX tiles where the CPU has them, else on AVX-512 BF16), where torch's flash
   kernel spends most of its time outside the matmuls;
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
-  transformers' modules make 3 to 27 torch ops (`workers.model.fused_decoder`).
+  transformers' modules make 3 to 27 torch ops (`rqbatcher.workers.model.fused_decoder`).
 On an AVX2 CPU without AVX-512 (`FP32`), where `dtype auto` picks fp32, `fp32_linear` takes a decode step's
 linears (up to 32 rows), which MKL reads at well below the memory's pace there; `paged_decode` and the layer
 ops but `silu_mul` run in fp32. Where AVX-512 exists, MKL's own AVX-512 kernels keep fp32: the AVX2 kernel was measured
@@ -20,25 +20,25 @@ dtype.
 
 What each build is made of (sources, CPU flags, compile flags) is defined in `kernels.build`, and named here too.
 `load()` imports a build made ahead of time and never compiles unless asked to. It looks for a build of these
-very sources (and headers and flags) for this torch and Python (`kernels.build`: the folder is keyed by their
+very sources (and headers and flags) for this torch and Python (`rqbatcher.kernels.build`: the folder is keyed by their
 digest): first in the package (`kernels/_prebuilt/`, what a wheel or the image carries), then in the cache
 (`$BATCHER_KERNELS_DIR`, else `~/.cache/batcher-kernels`). Where none exists it returns None and logs once, as a
 warning, that the kernels are not built, how to build them and about how long that takes: torch's kernels, which
 stay the reference, run meanwhile, as they do on a CPU without the build's instructions. A process started with
-`BATCHER_BUILD_KERNELS=1`, or from an install that asks for it (`kernels.build.BUILD_AT_START`), builds the
+`BATCHER_BUILD_KERNELS=1`, or from an install that asks for it (`rqbatcher.kernels.build.BUILD_AT_START`), builds the
 missing one into the cache at its first `load()` instead, after a log line saying so and how long it takes
 (`BATCHER_BUILD_KERNELS=0` says no). A build whose process died is noticed and cleared by the next process that looks
-(`kernels.build`: an flock the kernel frees, and a bounded, logged wait for a live one).
+(`rqbatcher.kernels.build`: an flock the kernel frees, and a bounded, logged wait for a live one).
 
 How each install gets its kernels:
-- `make setup` (a checkout): `python -m kernels.native` builds what this CPU runs into the cache, once per
+- `make setup` (a checkout): `python -m rqbatcher.kernels.native` builds what this CPU runs into the cache, once per
   source digest and torch (about 3 min on 2 cores for the bf16 build).
-- The Docker image: its build stage runs `python -m kernels.build`, which compiles both builds (bf16 and fp32)
+- The Docker image: its build stage runs `python -m rqbatcher.kernels.build`, which compiles both builds (bf16 and fp32)
   into the installed package's `_prebuilt/`; the runtime stage, which has no compiler, carries them.
 - A wheel built where torch and a compiler are importable in the build environment (torch installed first, then
-  `pip install --no-build-isolation 'batcher[worker]'` or `pip wheel --no-build-isolation .`): setup.py runs the
+  `pip install --no-build-isolation 'rqbatcher[worker]'` or `pip wheel --no-build-isolation .`): setup.py runs the
   same build, so the wheel (tagged for this Python and platform) carries both builds for that torch version.
-- A plain `pip install 'batcher[worker]'` or `pip wheel .` (build isolation: torch is not in the build
+- A plain `pip install 'rqbatcher[worker]'` or `pip wheel .` (build isolation: torch is not in the build
   environment, and is not pulled into it) carries none, but asks for them (`BUILD_AT_START`): a worker builds them
   into the cache at its start, before its first request, where a compiler exists (once per machine, digest and
   torch), else runs torch's kernels with the reason logged. A wheel whose torch was since upgraded does the same.
@@ -54,8 +54,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import build as builds
-from kernels.build import (  # noqa: F401  (what each build is made of; callers read them here)
+from rqbatcher.kernels import build as builds
+from rqbatcher.kernels.build import (  # noqa: F401  (what each build is made of; callers read them here)
     BF16,
     CSRC,
     FP32,
@@ -243,7 +243,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def main() -> int:
-    """`python -m kernels.native`: build (into the cache) and load what this CPU runs, where missing."""
+    """`python -m rqbatcher.kernels.native`: build (into the cache) and load what this CPU runs, where missing."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ[builds.BUILD_ENV] = "1"  # this process is asked to build
     for build in (BF16, FP32):
@@ -253,6 +253,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from kernels import native  # the module the workers import, not this __main__ copy
+    from rqbatcher.kernels import native  # the module the workers import, not this __main__ copy
 
     sys.exit(native.main())

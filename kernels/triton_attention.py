@@ -1,17 +1,17 @@
 """The Triton attention backend: the step's flat metadata, and the layer call that runs the kernels.
 
-The torch backend (`kernels.attention`) plans decode groups and prefill spans and attends each with SDPA.
-This one hands the kernels (`kernels.triton_kernels`) flat arrays instead, built by the runner once per
+The torch backend (`rqbatcher.kernels.attention`) plans decode groups and prefill spans and attends each with SDPA.
+This one hands the kernels (`rqbatcher.kernels.triton_kernels`) flat arrays instead, built by the runner once per
 step and moved to the device in one copy: where each sequence's queries start, each sequence's length, and
 a padded block table. Each layer then costs two launches (three when long contexts are split): store the
 new keys and values, and attend.
 
-`kernels.attention.attend` hands a layer to `FlatAttentionMetadata.attend` when the step's metadata is of
+`rqbatcher.kernels.attention.attend` hands a layer to `FlatAttentionMetadata.attend` when the step's metadata is of
 this kind (its `backend` says so), so the transformers attention function and the compiled op are shared.
 
 triton is imported only when a kernel first runs, so `import kernels` and the torch path never need it.
 On a CPU the kernels run only under `TRITON_INTERPRET=1` (slowly: that is how the tests check them);
-`workers.model.attention_backend` picks the backend and refuses one that cannot run.
+`rqbatcher.workers.model.attention_backend` picks the backend and refuses one that cannot run.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ class FlatAttentionMetadata:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float,
                sliding_window: int | None) -> torch.Tensor:
-        """`kernels.attention.attend` for this step: `q [T, H, D]`, `k/v [T, Hkv, D]`; writes the new keys and
+        """`rqbatcher.kernels.attention.attend` for this step: `q [T, H, D]`, `k/v [T, Hkv, D]`; writes the new keys and
         values to the layer's cache first. Rows past `num_tokens` are padding: they get zeros."""
-        from kernels import triton_kernels
+        from rqbatcher.kernels import triton_kernels
 
         n = self.num_tokens
         k_cache, v_cache = self.kv_caches[layer_idx]

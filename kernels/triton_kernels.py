@@ -1,6 +1,6 @@
 """Triton kernels of the paged KV cache: store a step's new keys and values, and attend for the whole step.
 
-This module imports triton, so only `kernels.triton_attention` imports it, on first use: `import kernels`
+This module imports triton, so only `rqbatcher.kernels.triton_attention` imports it, on first use: `import kernels`
 and the torch path never need triton. On CPU tensors the kernels run under `TRITON_INTERPRET=1` (the
 tests), which must be set before this module is first imported: `@triton.jit` reads it.
 
@@ -52,7 +52,7 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stri
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """`kernels.attention.write_kv` as one launch: `key/value [T, kv_heads, head_dim]` (any strides with a
+    """`rqbatcher.kernels.attention.write_kv` as one launch: `key/value [T, kv_heads, head_dim]` (any strides with a
     contiguous last dimension) to their slots of `k_cache/v_cache [slots, kv_heads, head_dim]`."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -188,7 +188,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     sliding_window: int | None, num_splits: int, kv_tile: int, block_m: int) -> None:
     """Attention of the step's queries `query [>= num_tokens, H, D]` into `out` (same shape), one launch
     (two with `num_splits > 1`). The launch shapes (`num_splits`, `kv_tile`, `block_m`) are the caller's
-    choice: `kernels.triton_attention` picks them."""
+    choice: `rqbatcher.kernels.triton_attention` picks them."""
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return

@@ -2,7 +2,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded in tests; fail fast instead of retrying
 # Triton kernels on CPU tensors run in triton's interpreter, which `@triton.jit` reads when a kernel is defined
-# (kernels.triton_kernels, imported on first use). `make gpu-check` sets it to 0 to run them on the GPU.
+# (rqbatcher.kernels.triton_kernels, imported on first use). `make gpu-check` sets it to 0 to run them on the GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # A test run builds the CPU kernels its sources need, as `make setup` does (a worker never builds unless asked):
 # after an edit of kernels/csrc, the kernel tests rebuild rather than skip to torch's kernels.

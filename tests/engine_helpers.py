@@ -7,9 +7,9 @@ import random
 import torch
 from transformers import AutoModelForCausalLM
 
-from batcher.config import EngineConfig
-from batcher.schema import GenerationRequest, SamplingParams
-from workers.engine.engine import Engine, build_engine
+from rqbatcher.config import EngineConfig
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.engine import Engine, build_engine
 
 _references: dict[str, torch.nn.Module] = {}
 

@@ -1,5 +1,5 @@
-"""The test suite's stand-in for workers.engine.engine.Engine: the bench's engine without a model
-(`workers.bench.letter_engine`), plus the faults a test needs.
+"""The test suite's stand-in for rqbatcher.workers.engine.engine.Engine: the bench's engine without a model
+(`rqbatcher.workers.bench.letter_engine`), plus the faults a test needs.
 
 Each request generates one token per step: token i of the output is `FIRST_TOKEN + i`, whose text is
 one letter; it serves embedding requests too (`workers.bench.letter_engine.letter_vector`: EMBEDDING_SIZE numbers
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from batcher.schema import GenerationRequest
-from workers.bench.letter_engine import FIRST_TOKEN, LetterEngine
-from workers.engine.api import EngineStats, Progress, RequestError, RequestOutput
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.workers.bench.letter_engine import FIRST_TOKEN, LetterEngine
+from rqbatcher.workers.engine.api import EngineStats, Progress, RequestError, RequestOutput
 
 VOCAB_SIZE = 256  # what it publishes: its tokens are letters
 

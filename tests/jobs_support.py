@@ -12,7 +12,7 @@ import time
 import pytest
 from redis import Redis
 
-from workers.embedded_redis import embedded_redis
+from rqbatcher.workers.embedded_redis import embedded_redis
 
 REAL_REDIS = "redis://127.0.0.1:6379"
 TEST_DBS = range(15, 8, -1)  # RQ's keys have no prefix, so the tests take a whole database

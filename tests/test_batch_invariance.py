@@ -1,6 +1,6 @@
 """Batch invariance: a request's tokens do not depend on what else runs (docs/batch-invariance.md).
 
-In fp32 everywhere, and in bf16 where `kernels.native`'s bf16 kernels run (a CPU with AVX-512 BF16; skipped
+In fp32 everywhere, and in bf16 where `rqbatcher.kernels.native`'s bf16 kernels run (a CPU with AVX-512 BF16; skipped
 elsewhere, where bf16 is not batch invariant). The kernel tests check the mechanism bit for bit: a linear's row
 at any row count, and a query's attention as a decode and in any prompt chunk. The engine tests check the
 contract: one greedy request alone, among others in chunked steps, after a prefix-cache hit and after
@@ -10,7 +10,7 @@ preemption gives the same tokens.
 import pytest
 import torch
 
-from kernels import native
+from rqbatcher.kernels import native
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all, run_counting_preemptions
 from tests.paged_cache import scattered_cache
 from tests.tiny_models import build_tiny_model

@@ -12,17 +12,17 @@ import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from batcher.batches import store
-from batcher.batches.batch_object import BatchInputError, parse_output_expiry
-from batcher.batches.lines import record_outcome_on
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.life import decode_request
-from batcher.openai.embeddings_body import EMBEDDINGS_URL
-from batcher.openai.responses_body import RESPONSES_URL
-from batcher.schema import GenerationResult, Usage
-from batcher.service_class import BATCH
-from batcher.webhooks.event_payload import from_outbox_entry
+from rqbatcher.batches import store
+from rqbatcher.batches.batch_object import BatchInputError, parse_output_expiry
+from rqbatcher.batches.lines import record_outcome_on
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.life import decode_request
+from rqbatcher.openai.embeddings_body import EMBEDDINGS_URL
+from rqbatcher.openai.responses_body import RESPONSES_URL
+from rqbatcher.schema import GenerationResult, Usage
+from rqbatcher.service_class import BATCH
+from rqbatcher.webhooks.event_payload import from_outbox_entry
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 from tests.test_batches import batch_lines, line
 

@@ -12,14 +12,14 @@ import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher.batches.batch_object import BatchInputError, BatchNotFound
-from batcher.batches.lines import record_outcome_on
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.life import decode_request
-from batcher.jobs.queues import class_queue
-from batcher.schema import GenerationResult, Usage
-from batcher.service_class import BATCH
+from rqbatcher.batches.batch_object import BatchInputError, BatchNotFound
+from rqbatcher.batches.lines import record_outcome_on
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.life import decode_request
+from rqbatcher.jobs.queues import class_queue
+from rqbatcher.schema import GenerationResult, Usage
+from rqbatcher.service_class import BATCH
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
 
@@ -215,7 +215,7 @@ def test_a_request_with_a_model_goes_to_the_models_queue_which_its_workers_poll_
 def test_the_batch_commands(fake_redis, monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    from batcher.cli import main, options
+    from rqbatcher.cli import main, options
 
     monkeypatch.setattr(options, "make_client", lambda url, queue="batcher": Client(fake_redis, queue=queue))
     path = tmp_path / "in.jsonl"
@@ -261,7 +261,7 @@ def test_a_job_that_only_claims_to_be_in_a_batch_changes_nothing_in_it(fake_redi
 
 
 def test_queues_report_the_model_each_routes_to_and_whether_a_live_worker_serves_it(fake_redis):
-    from batcher.jobs.admin import queue_overview
+    from rqbatcher.jobs.admin import queue_overview
 
     client = Client(fake_redis)
     client.submit_many([{"prompt": "x", "model": "m1"}, {"prompt": "y", "model": "m2"}, "z"])

@@ -7,14 +7,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from batcher.cli import main
-from batcher.config import EngineConfig
+from rqbatcher.cli import main
+from rqbatcher.config import EngineConfig
+from rqbatcher.workers.bench.report import first_difference, percentiles
+from rqbatcher.workers.bench.roofline import ModelCost, Roofline
+from rqbatcher.workers.bench.run import run_bench
+from rqbatcher.workers.bench.system import ALL_SYSTEMS, System
+from rqbatcher.workers.bench.workload import WorkloadError, WorkloadRequest, load_workload, shared_prefix_tokens
 from tests.jobs_support import claim_database, release_database
-from workers.bench.report import first_difference, percentiles
-from workers.bench.roofline import ModelCost, Roofline
-from workers.bench.run import run_bench
-from workers.bench.system import ALL_SYSTEMS, System
-from workers.bench.workload import WorkloadError, WorkloadRequest, load_workload, shared_prefix_tokens
 
 WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
             for i, (prompt_len, max_tokens) in enumerate([(9, 3), (21, 12), (5, 6), (14, 2), (30, 5)])]
@@ -211,7 +211,7 @@ def test_cli_refuses_an_unknown_system_or_baseline(tmp_path):
 
 def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
     """Workloads generate exactly max_tokens: the model's default EOS must not end a row early."""
-    from workers.bench.peers import load_hf_model, run_hf_naive
+    from rqbatcher.workers.bench.peers import load_hf_model, run_hf_naive
 
     model = load_hf_model(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32"))
     first = run_hf_naive(model, WORKLOAD[:1], 384).tokens["r0"]
@@ -220,8 +220,8 @@ def test_hf_baselines_ignore_the_models_eos(tiny_model_dir):
 
 
 def test_the_job_rate_bench_runs_every_job_through_a_real_worker():
-    from workers.bench.experiments.job_rate import QUEUE, rate
-    from workers.bench.private_redis import private_redis
+    from rqbatcher.workers.bench.experiments.job_rate import QUEUE, rate
+    from rqbatcher.workers.bench.private_redis import private_redis
 
     with private_redis() as connection:
         assert rate(connection, jobs=40, tokens=3, slots=8) > 0

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.schema import GenerationRequest, SamplingParams, StreamEvent
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.schema import GenerationRequest, SamplingParams, StreamEvent
+from rqbatcher.workers.engine.choices import mean_logprob
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.engine_helpers import engine_for, run_all
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
-from workers.engine.choices import mean_logprob
-from workers.job_worker.worker import JobWorker
 
 PROMPT = list(range(20, 60))
 MAX_TOKENS = 6

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.api import RequestError
+from rqbatcher.workers.engine.choices import choice_seed
 from tests.engine_helpers import engine_for, run_all
-from workers.engine.api import RequestError
-from workers.engine.choices import choice_seed
 
 PROMPT = list(range(20, 60))  # two full blocks of 16, and 8 more
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from batcher.schema import Timings
+from rqbatcher.schema import Timings
+from rqbatcher.workers.job_worker import class_metrics
+from rqbatcher.workers.job_worker.class_metrics import ClassMetrics, combined_hooks
+from rqbatcher.workers.job_worker.in_flight import JobEnd
 from tests.engine_helpers import engine_for, greedy, random_prompts
-from workers.job_worker import class_metrics
-from workers.job_worker.class_metrics import ClassMetrics, combined_hooks
-from workers.job_worker.in_flight import JobEnd
 
 
 def test_queue_time_ttft_tokens_and_urgency_preemptions_by_class_and_tenant(tiny_model_dir):

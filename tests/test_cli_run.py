@@ -6,7 +6,7 @@ import json
 from click.testing import CliRunner
 from openai.types import CompletionUsage
 
-from batcher.cli import main
+from rqbatcher.cli import main
 from tests.engine_helpers import reference_tokens
 
 DOCUMENT = list(range(20, 40))  # one whole block of 16 tokens, and 4 more

@@ -10,8 +10,8 @@ import llguidance
 import pytest
 from pydantic import ValidationError
 
-from batcher.client import Client
-from batcher.constraints import (
+from rqbatcher.client import Client
+from rqbatcher.constraints import (
     INT_MAX,
     INT_MIN,
     JSON_OPTIONS,
@@ -22,14 +22,14 @@ from batcher.constraints import (
     checked,
     json_schema_grammar,
 )
-from batcher.openai.batch_lines import (
+from rqbatcher.openai.batch_lines import (
     CHAT_URL,
     BatchLineError,
     BodyError,
     parse_batch_line,
     parse_body,
 )
-from batcher.schema import GenerationRequest
+from rqbatcher.schema import GenerationRequest
 from tests.jobs_support import claim_database, release_database
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -117,7 +117,7 @@ def test_cli_submit_takes_a_json_schema_file_or_a_regex_and_refuses_a_bad_one(tm
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
-    from batcher.cli import main, options
+    from rqbatcher.cli import main, options
 
     url, connection = claim_database()
     try:

@@ -8,11 +8,11 @@ import pytest
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from batcher.batches.batch_object import Batch
-from batcher.jobs import keys
-from batcher.jobs.redis_retry import FIRST_DELAY_S, MAX_DELAY_S, Backoff, retry_while_unreachable
-from batcher.jobs.worker_stats import WorkerStats
-from batcher.schema import GenerationRequest, GenerationResult, SamplingParams, StreamEvent
+from rqbatcher.batches.batch_object import Batch
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.redis_retry import FIRST_DELAY_S, MAX_DELAY_S, Backoff, retry_while_unreachable
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.schema import GenerationRequest, GenerationResult, SamplingParams, StreamEvent
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
 STATS = WorkerStats(name="w1", host="h", pid=42, queues="a,b", model="m", state="busy", in_flight=3,

@@ -2,9 +2,9 @@
 
 from click.testing import CliRunner
 
-from batcher.cli import main
+from rqbatcher.cli import main
+from rqbatcher.workers.demo import sample_requests
 from tests.tiny_models import build_tiny_model
-from workers.demo import sample_requests
 
 
 def test_demo_summarises_every_sample_and_compares_with_static(tmp_path):

@@ -1,7 +1,7 @@
 """Incremental detokenization: deltas concatenate to the full decode, across multi-byte characters."""
 
+from rqbatcher.workers.engine.detokenize import IncrementalDetokenizer
 from tests.tiny_models import build_tokenizer
-from workers.engine.detokenize import IncrementalDetokenizer
 
 TEXT = "Ünïcödé: café, naïve, 東京 and emoji 🙂 must survive."
 

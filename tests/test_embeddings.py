@@ -15,18 +15,18 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer, LlamaConfig, Qwen3Config
 
-from batcher.client import Client, JobFailed
-from batcher.jobs import keys
-from batcher.schema import GenerationRequest
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.jobs import keys
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.workers.engine.api import RequestError
+from rqbatcher.workers.job_worker.stats_publisher import StatsPublisher
+from rqbatcher.workers.job_worker.worker import JobWorker
+from rqbatcher.workers.model.loading import ModelLoadError
+from rqbatcher.workers.model.pooling import embedding_facts
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
 from tests.fake_engine import FakeEngine
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.tiny_models import build_embedding_model
-from workers.engine.api import RequestError
-from workers.job_worker.stats_publisher import StatsPublisher
-from workers.job_worker.worker import JobWorker
-from workers.model.loading import ModelLoadError
-from workers.model.pooling import embedding_facts
 
 Q = "embed"
 NUM_BLOCKS = 96  # a small KV cache: the engines build fast

@@ -8,15 +8,15 @@ import struct
 
 import pytest
 
-from batcher.openai.batch_lines import BodyError
-from batcher.openai.embeddings_body import (
+from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.embeddings_body import (
     MAX_EMBED_TOKENS,
     decode_vector,
     embeddings_object,
     encoding_format_of,
     parse_embeddings_body,
 )
-from batcher.schema import MAX_EMBED_INPUTS, GenerationResult, Usage
+from rqbatcher.schema import MAX_EMBED_INPUTS, GenerationResult, Usage
 
 VECTOR = [0.5, -1.25, 3.0]
 

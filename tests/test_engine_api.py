@@ -4,11 +4,11 @@ import inspect
 
 import pytest
 
-from batcher.schema import GenerationRequest
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.workers.engine.api import EngineProtocol
+from rqbatcher.workers.engine.engine import Engine
 from tests.engine_helpers import engine_for
 from tests.fake_engine import FakeEngine
-from workers.engine.api import EngineProtocol
-from workers.engine.engine import Engine
 
 METHODS = ["add", "step", "abort", "has_work", "stats"]
 PROPERTIES = ["free_slots", "urgent_room", "fair_room", "batch_deficit"]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.api import RequestError
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
-from workers.engine.api import RequestError
 
 
 @pytest.fixture

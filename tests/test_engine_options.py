@@ -3,7 +3,7 @@
 import click
 from click.testing import CliRunner
 
-from batcher.cli.options import engine_options
+from rqbatcher.cli.options import engine_options
 
 
 @click.command()

@@ -11,12 +11,12 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batcher.client import Client
-from batcher.jobs import fairness, keys
-from batcher.jobs.fairness import Candidate, Picker, charge_on, cost
-from batcher.jobs.queues import class_queue, parse_queue, tenant_token
-from batcher.schema import GenerationRequest
-from batcher.service_class import BATCH, INTERACTIVE, PRIORITY, RANK, class_of, urgency_of
+from rqbatcher.client import Client
+from rqbatcher.jobs import fairness, keys
+from rqbatcher.jobs.fairness import Candidate, Picker, charge_on, cost
+from rqbatcher.jobs.queues import class_queue, parse_queue, tenant_token
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY, RANK, class_of, urgency_of
 from tests.jobs_support import claim_database, fake_redis_fixture, release_database, wait_for  # noqa: F401
 
 BASE = "fair"
@@ -331,8 +331,8 @@ def test_two_pickers_at_once_share_one_counter_and_take_each_job_once():
 
 def test_an_idle_workers_wait_wakes_on_a_job_and_leaves_the_queue_as_it_was():
     """An idle worker blocks on its first queue without taking anything, so the pick then chooses fairly."""
+    from rqbatcher.workers.job_worker.worker import JobWorker
     from tests.fake_engine import FakeEngine
-    from workers.job_worker.worker import JobWorker
 
     url, redis = claim_database()
     try:

@@ -4,11 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rqbatcher.workers.model import precision
+from rqbatcher.workers.model.compiled_forward import bucket_sizes
+from rqbatcher.workers.model.packed_linear import PackedLinear, can_pack, pack_linears
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.tiny_models import build_tiny_model
-from workers.model import precision
-from workers.model.compiled_forward import bucket_sizes
-from workers.model.packed_linear import PackedLinear, can_pack, pack_linears
 
 needs_packing = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
                                    reason="this CPU's oneDNN has no native bf16")

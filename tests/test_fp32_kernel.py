@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.attention import decode_attention
+from rqbatcher.kernels import native
+from rqbatcher.kernels.attention import decode_attention
+from rqbatcher.workers.model.packed_linear import FewRowsLinear, route_fp32_linears
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.paged_cache import cache_slots, scattered_cache
 from tests.tiny_models import build_tiny_model
-from workers.model.packed_linear import FewRowsLinear, route_fp32_linears
 
 FLAGS = native.cpu_flags()
 served_here = pytest.mark.skipif(
@@ -26,7 +26,7 @@ MAX_ROWS = native.FP32_LINEAR_MAX_ROWS
 def test_where_the_cpu_has_avx512_fp32_keeps_torchs_linears_without_a_warning(tiny_model_dir, monkeypatch, caplog):
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     monkeypatch.setattr(native, "_status", native._status.__wrapped__)  # not the cached answer for this CPU
-    with caplog.at_level("INFO", logger="kernels.native"):
+    with caplog.at_level("INFO", logger="rqbatcher.kernels.native"):
         engine = engine_for(tiny_model_dir("llama"), max_num_seqs=2)
     assert "this CPU has avx512f" in native.unavailable_reason(native.FP32)
     assert not [record for record in caplog.records if record.levelname == "WARNING"]

@@ -13,11 +13,11 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from kernels import native
+from rqbatcher.kernels import native
+from rqbatcher.workers.model.fused_decoder import FusedDecoder, why_not
+from rqbatcher.workers.model.packed_linear import JointLinear, pack_linears, route_fp32_linears
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
 from tests.tiny_models import build_tiny_model
-from workers.model.fused_decoder import FusedDecoder, why_not
-from workers.model.packed_linear import JointLinear, pack_linears, route_fp32_linears
 
 FLAGS = native.cpu_flags()
 

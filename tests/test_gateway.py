@@ -13,22 +13,22 @@ from fakeredis import aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.testclient import TestClient
 
-from batcher.batches import file_store as core_files
-from batcher.batches.file_store import FileLimits
-from batcher.cli import main
-from batcher.client import Client
-from batcher.gateway import job_streams as gateway_jobs
-from batcher.gateway.app import GatewayConfig, create_app
-from batcher.gateway.auth import ApiKeys, UnsafeBind, check_bind, tenant_of
-from batcher.gateway.job_streams import AttemptDiverged, TextRelay
-from batcher.jobs import keys
-from batcher.jobs.durability import NotReplicated
-from batcher.jobs.worker_stats import WorkerStats
-from batcher.openai.batch_lines import response_body
-from batcher.schema import GenerationResult, StreamEvent, Usage
+from rqbatcher.batches import file_store as core_files
+from rqbatcher.batches.file_store import FileLimits
+from rqbatcher.cli import main
+from rqbatcher.client import Client
+from rqbatcher.gateway import job_streams as gateway_jobs
+from rqbatcher.gateway.app import GatewayConfig, create_app
+from rqbatcher.gateway.auth import ApiKeys, UnsafeBind, check_bind, tenant_of
+from rqbatcher.gateway.job_streams import AttemptDiverged, TextRelay
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.durability import NotReplicated
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.openai.batch_lines import response_body
+from rqbatcher.schema import GenerationResult, StreamEvent, Usage
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
-from workers.job_worker.worker import JobWorker
 
 A, B = {"Authorization": "Bearer key-of-a"}, {"Authorization": "Bearer key-of-b"}
 MODEL = "fake-model"

@@ -8,24 +8,26 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("batcher", "workers", "kernels")
+# Each checkout folder and the import name it installs under, as setup.py maps them
+FOLDERS = {"batcher": "rqbatcher", "workers": "rqbatcher.workers", "kernels": "rqbatcher.kernels"}
+CORE, WORKERS, KERNELS = FOLDERS.values()
 MAX_LINES = 400
 MAX_WORKER_LINES = 300  # the worker's own modules: its loop and the state each piece owns
-JOB_WORKER = "workers.job_worker"
+JOB_WORKER = "rqbatcher.workers.job_worker"
 WORKER_MODULES = ("worker", "in_flight", "admission", "job_ends", "leases", "stream_writer", "stats_publisher")
-RQ_ADAPTER = "batcher.jobs.rq_adapter"
-EXPERIMENTS = "workers.bench.experiments"
-BENCH_DOOR = "workers.entrypoints"  # the one module that imports `batcher bench`, and only lazily
+RQ_ADAPTER = "rqbatcher.jobs.rq_adapter"
+EXPERIMENTS = "rqbatcher.workers.bench.experiments"
+BENCH_DOOR = "rqbatcher.workers.entrypoints"  # the one module that imports `batcher bench`, and only lazily
 RQ_INTERNALS = re.compile(r"_job_registry\b|\bFailedJobRegistry\b|intermediate_queue|\bclean_registries\b|"
                           r"_handle_success|_handle_failure|\bjob\._result\b|_stop_requested")
-SEQUENCE_WRITERS = ("batcher.scheduler.scheduler", "batcher.scheduler.sequence")
+SEQUENCE_WRITERS = ("rqbatcher.scheduler.scheduler", "rqbatcher.scheduler.sequence")
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            name = ".".join((package, *path.relative_to(ROOT / folder).with_suffix("").parts)).removesuffix(".__init__")
             found[name] = path
     return found
 
@@ -50,6 +52,11 @@ def in_folder(name: str, folder: str) -> bool:
     return name == folder or name.startswith(folder + ".")
 
 
+def folder_of(name: str) -> str:
+    """The checkout folder (batcher, workers, kernels) that module `name` lives in."""
+    return next(f for f, package in sorted(FOLDERS.items(), key=lambda i: -len(i[1])) if in_folder(name, package))
+
+
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(path, known) - {name} for name, path in known.items()}
@@ -64,12 +71,12 @@ def test_no_module_passes_its_size():
 
 def test_imports_go_one_way_without_circles_and_the_cli_has_one_door_into_workers():
     known, edges = modules(), graph()
-    assert [n for n in edges if n.startswith("batcher") and any(t.startswith("workers") for t in edges[n])] == [
-        "batcher.cli.engine_commands"]
-    assert edges["batcher.cli.engine_commands"] & {n for n in known if n.startswith("workers")} == {
-        "workers.entrypoints"}
+    assert [n for n in edges if folder_of(n) == "batcher" and any(folder_of(t) == "workers" for t in edges[n])] == [
+        "rqbatcher.cli.engine_commands"]
+    assert edges["rqbatcher.cli.engine_commands"] & {n for n in known if folder_of(n) == "workers"} == {
+        "rqbatcher.workers.entrypoints"}
     assert not [n for n in edges
-                if n.startswith("kernels") and edges[n] - {m for m in known if m.startswith("kernels")}]
+                if folder_of(n) == "kernels" and edges[n] - {m for m in known if folder_of(m) == "kernels"}]
     cycle = _a_cycle(edges)
     assert cycle is None, " -> ".join(cycle)
 
@@ -106,31 +113,32 @@ def _crossings(source: str, forbidden: tuple[str, ...], third_party: tuple[str, 
 
 
 def test_the_scheduler_never_sees_redis_nor_the_job_system():
-    assert _crossings("batcher.scheduler", ("batcher.jobs", "batcher.batches", "batcher.client"), ("redis", "rq")) == {}
+    forbidden = ("rqbatcher.jobs", "rqbatcher.batches", "rqbatcher.client")
+    assert _crossings("rqbatcher.scheduler", forbidden, ("redis", "rq")) == {}
 
 
 def test_the_job_system_does_not_import_the_scheduler():
-    assert _crossings("batcher.jobs", ("batcher.scheduler",)) == {}
+    assert _crossings("rqbatcher.jobs", ("rqbatcher.scheduler",)) == {}
 
 
 def test_the_model_imports_neither_the_engine_nor_the_job_worker():
-    assert _crossings("workers.model", ("workers.engine", JOB_WORKER)) == {}
+    assert _crossings("rqbatcher.workers.model", ("rqbatcher.workers.engine", JOB_WORKER)) == {}
 
 
 def test_the_engine_imports_neither_redis_rq_nor_the_job_worker():
-    assert _crossings("workers.engine", (JOB_WORKER, "batcher.jobs"), ("redis", "rq")) == {}
+    assert _crossings("rqbatcher.workers.engine", (JOB_WORKER, "rqbatcher.jobs"), ("redis", "rq")) == {}
 
 
 def test_the_job_worker_imports_neither_torch_nor_the_model_and_only_the_engines_api():
-    engine_but_api = tuple(n for n in modules() if in_folder(n, "workers.engine") and n not in (
-        "workers.engine", "workers.engine.api"))
-    assert _crossings(JOB_WORKER, ("workers.model", *engine_but_api), ("torch", "transformers")) == {}
+    engine_but_api = tuple(n for n in modules() if in_folder(n, "rqbatcher.workers.engine") and n not in (
+        "rqbatcher.workers.engine", "rqbatcher.workers.engine.api"))
+    assert _crossings(JOB_WORKER, ("rqbatcher.workers.model", *engine_but_api), ("torch", "transformers")) == {}
 
 
 def test_the_bench_is_imported_lazily_by_its_entry_point_alone():
     known = modules()
     importers = {name for name, targets in graph().items() if any(in_folder(t, "workers.bench") for t in targets)
-                 and not in_folder(name, "workers.bench")}
+                 and not in_folder(name, "rqbatcher.workers.bench")}
     assert importers <= {BENCH_DOOR}
     at_import = {t for t in imports(known[BENCH_DOOR], known, top_level=True) if in_folder(t, "workers.bench")}
     assert at_import == set(), "`batcher worker` must not load the bench harness"
@@ -156,7 +164,7 @@ def test_rq_internals_and_registries_are_used_in_the_adapter_alone():
     assert users == {RQ_ADAPTER}
     rq_importers = {name for name, path in modules().items()
                     if re.search(r"^\s*(from rq[. ]|import rq\b)", path.read_text(), re.M)}
-    worker = {n for n in rq_importers if n.startswith("workers") and not n.startswith("workers.bench")}
+    worker = {n for n in rq_importers if folder_of(n) == "workers" and not n.startswith("rqbatcher.workers.bench")}
     assert worker == set(), "the worker takes RQ from the adapter"
 
 

@@ -1,6 +1,6 @@
 """The Docker image's kernel build step (deploy/Dockerfile's build stage), run as written in a fresh venv: no Docker
 daemon exists here, so the test installs the package from exactly the files the stage copies and runs the stage's
-own `python -m kernels.build` line, then loads the result with no compiler, as the runtime stage does."""
+own `python -m rqbatcher.kernels.build` line, then loads the result with no compiler, as the runtime stage does."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import build as builds
-from kernels import native
+from rqbatcher.kernels import build as builds
+from rqbatcher.kernels import native
 from tests.test_kernel_build import DOCKERFILE, ROOT, TORCH_SITE, without_build_request
 
 
@@ -28,7 +28,7 @@ def build_stage() -> str:
 def kernel_step() -> tuple[str, str]:
     """The build stage's RUN that builds the kernels, and the WORKDIR it runs in."""
     stage = build_stage()
-    (run,) = [line for line in stage.splitlines() if line.startswith("RUN ") and "kernels.build" in line]
+    (run,) = [line for line in stage.splitlines() if line.startswith("RUN ") and "rqbatcher.kernels.build" in line]
     workdir = re.findall(r"^WORKDIR (\S+)$", stage[:stage.index(run)], flags=re.MULTILINE)[-1]
     return run.removeprefix("RUN "), workdir
 
@@ -72,7 +72,7 @@ PROBE = """
 import json
 import os
 import torch
-from kernels import build as builds, native
+from rqbatcher.kernels import build as builds, native
 assert not builds.build_requested()
 found = {}
 for build in (native.BF16, native.FP32):
@@ -102,7 +102,7 @@ print(json.dumps({"kernels": native.__file__, "found": found}))
 def run_the_image_kernel_step(tmp_path, extra: str = "") -> tuple[Path, Path, dict]:
     python, site = fresh_venv_with_the_image_install(tmp_path)
     command, workdir = kernel_step()
-    assert command.startswith("python -m kernels.build")
+    assert command.startswith("python -m rqbatcher.kernels.build")
     unused_cache = tmp_path / "user-cache"
     env = {**without_build_request(), "PATH": f"{python.parent}:{os.environ['PATH']}",
            builds.DIR_ENV: str(unused_cache)}

@@ -11,12 +11,12 @@ from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher.cli import main, options
-from batcher.client import Client, JobFailed, JobNotFound, QueueFull
-from batcher.jobs import keys
-from batcher.jobs.contract import JOB_FUNCTION, NeedsBatcherWorker, generate
-from batcher.jobs.life import InvalidJob, decode_request
-from batcher.schema import GenerationRequest, StreamEvent
+from rqbatcher.cli import main, options
+from rqbatcher.client import Client, JobFailed, JobNotFound, QueueFull
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.contract import JOB_FUNCTION, NeedsBatcherWorker, generate
+from rqbatcher.jobs.life import InvalidJob, decode_request
+from rqbatcher.schema import GenerationRequest, StreamEvent
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
 
@@ -43,7 +43,7 @@ def test_job_argument_is_validated_with_readable_reasons():
     ok = GenerationRequest(prompt="hi").model_dump(mode="json")
     assert decode_request(SimpleNamespace(func_name=JOB_FUNCTION, args=[ok], kwargs={})).prompt == "hi"
     cases = [
-        ("os.system", (ok,), {}, "runs only batcher.jobs.generate"),
+        ("os.system", (ok,), {}, "runs only rqbatcher.jobs.generate"),
         (JOB_FUNCTION, ("hi",), {}, "one positional argument"),
         (JOB_FUNCTION, (ok,), {"x": 1}, "one positional argument"),
         (JOB_FUNCTION, ({"prompt": "hi", "sampling": {"temperature": -1}},), {}, "sampling.temperature"),
@@ -232,7 +232,7 @@ def test_cli_tail_status_and_cancel(fake_redis, monkeypatch):
 def test_redis_urls_with_tls_and_passwords(monkeypatch):
     from redis.connection import SSLConnection
 
-    from batcher.client import REDIS_URL_ENV, connect
+    from rqbatcher.client import REDIS_URL_ENV, connect
 
     pool = connect("rediss://:s3cret@redis.example:6380/2").connection_pool
     assert issubclass(pool.connection_class, SSLConnection)

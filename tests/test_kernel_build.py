@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batcher.client import Client
-from kernels import build as builds
-from kernels import build_lock, native
+from rqbatcher.client import Client
+from rqbatcher.kernels import build as builds
+from rqbatcher.kernels import build_lock, native
 from tests.reliability.support import RedisServer, greedy, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def test_builds_of_different_sources_live_in_different_folders_and_never_rebuild
     one, same = tiny_build(tmp_path / "checkout-a", 1), tiny_build(tmp_path / "checkout-b", 1)
     assert builds.library(one, root) == builds.library(same, root)
 
-    with caplog.at_level(logging.INFO, logger="kernels.build"):
+    with caplog.at_level(logging.INFO, logger="rqbatcher.kernels.build"):
         first = builds.make([one], root)[one]
     assert first == builds.library(one, root) and version_of(one, first) == 1
     assert "building the tiny CPU kernels (1 sources)" in caplog.text
@@ -106,7 +106,7 @@ def test_builds_of_different_sources_live_in_different_folders_and_never_rebuild
     assert second.parent != first.parent and version_of(two, second) == 2
     built_at = first.stat().st_mtime_ns
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kernels.build"):  # checkout a again: its build is still there
+    with caplog.at_level(logging.INFO, logger="rqbatcher.kernels.build"):  # checkout a again: its build is still there
         assert builds.make([one], root)[one] == first and builds.make([two], root)[two] == second
     assert "building" not in caplog.text and first.stat().st_mtime_ns == built_at
     assert version_of(one, first) == 1 and version_of(two, second) == 2
@@ -151,7 +151,7 @@ def hold_lock(build: native.Build, root: Path, then: str) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import os, signal, sys, time
         from pathlib import Path
-        from kernels import build as builds, native
+        from rqbatcher.kernels import build as builds, native
         tiny = native.Build("tiny", "batcher_test_tiny", ("tiny.cpp",), ("version.h",), (), (), ("-O0",),
                             csrc=Path({str(build.csrc)!r}))
         lock = builds.lock(tiny, Path({str(root)!r}))
@@ -177,7 +177,7 @@ def test_a_builder_killed_while_holding_the_lock_is_noticed_cleared_and_the_buil
     assert holder.wait(30) == -signal.SIGKILL
     lock = builds.lock(tiny, root)
     assert lock.record()["pid"] == holder.pid  # the dead owner's record outlives it
-    with caplog.at_level(logging.INFO, logger="kernels.build"):
+    with caplog.at_level(logging.INFO, logger="rqbatcher.kernels.build"):
         start = time.monotonic()
         path = builds.make([tiny], root, wait_s=60)[tiny]
     assert time.monotonic() - start < 30  # no wait on a lock whose owner is dead
@@ -195,7 +195,7 @@ def test_a_live_builder_is_waited_for_within_a_bound_with_log_lines_and_then_giv
     holder = hold_lock(tiny, root, then="sleep")
     try:
         monkeypatch.setattr(build_lock, "WAIT_LOG_EVERY_S", 0.5)
-        with caplog.at_level(logging.INFO, logger="kernels.build"):
+        with caplog.at_level(logging.INFO, logger="rqbatcher.kernels.build"):
             start, start_wall = time.monotonic(), time.time()
             result = builds.make([tiny], root, wait_s=2)[tiny]
         assert 2 <= time.monotonic() - start < 10
@@ -230,7 +230,7 @@ def start_worker(url: str, model_dir: Path, log_path: Path, env: dict) -> tuple[
     """A real `batcher worker` in the dtype of this CPU's native build (its runner asks `kernels.native` for that
     build at start), in a session of its own so that it can be killed with its compilers, as a container or pod is."""
     name = f"kb-{uuid.uuid4().hex[:8]}"
-    command = [sys.executable, "-m", "batcher", "worker", "--redis-url", url, "--queue", "kernels", "--model",
+    command = [sys.executable, "-m", "rqbatcher", "worker", "--redis-url", url, "--queue", "kernels", "--model",
                str(model_dir), "--device", "cpu", "--dtype", native_build_here()[1], "--num-blocks", "64",
                "--max-num-seqs", "2", "--name", name]
     env = {**without_build_request(), **WORKER_ENV, "PYTHONPATH": str(ROOT), **env}

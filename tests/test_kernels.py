@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import (
+from rqbatcher.kernels.attention import (
     decode_attention,
     gather_blocks,
     length_bias,

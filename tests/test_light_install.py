@@ -4,11 +4,11 @@ import pkgutil
 import subprocess
 import sys
 
-import batcher
+import rqbatcher
 
 # Every module of the core, found on disk, so that a new one is covered without naming it here.
-CORE_MODULES = sorted(m.name for m in pkgutil.walk_packages(batcher.__path__, "batcher.")
-                      if m.name != "batcher.__main__")
+CORE_MODULES = sorted(m.name for m in pkgutil.walk_packages(rqbatcher.__path__, "rqbatcher.")
+                      if m.name != "rqbatcher.__main__")
 
 
 def test_core_imports_without_torch():
@@ -16,13 +16,13 @@ def test_core_imports_without_torch():
             "sys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
             "sys.modules['transformers'] = None\n"
             + "".join(f"import {m}\n" for m in CORE_MODULES)
-            + "import batcher.cli; batcher.cli.main(['--help'], standalone_mode=False)\n")
+            + "import rqbatcher.cli; rqbatcher.cli.main(['--help'], standalone_mode=False)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
 
 def test_issue_one_liner():
-    code = "import batcher.client, batcher.scheduler, sys; assert 'torch' not in sys.modules"
+    code = "import rqbatcher.client, rqbatcher.scheduler, sys; assert 'torch' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
@@ -31,10 +31,10 @@ def test_the_cli_runs_without_the_server_extra_and_serve_says_what_is_missing():
     code = ("import sys\n"
             "for name in ('starlette', 'uvicorn', 'python_multipart'):\n"
             "    sys.modules[name] = None\n"
-            "import batcher.cli\n"
-            "batcher.cli.main(['--help'], standalone_mode=False)\n"
-            "batcher.cli.main(['serve'])\n")
+            "import rqbatcher.cli\n"
+            "rqbatcher.cli.main(['--help'], standalone_mode=False)\n"
+            "rqbatcher.cli.main(['serve'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     (line,) = out.stderr.strip().splitlines()
     assert out.returncode == 1 and line.startswith("Error: `batcher serve` needs the server extra (pip install "
-                                                   "'batcher[server]'): import of ")
+                                                   "'rqbatcher[server]'): import of ")

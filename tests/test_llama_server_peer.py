@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 
-from batcher.config import EngineConfig
-from workers.bench import llama_server
-from workers.bench.run import run_bench
-from workers.bench.system import ALL_SYSTEMS, System
-from workers.bench.workload import WorkloadRequest
+from rqbatcher.config import EngineConfig
+from rqbatcher.workers.bench import llama_server
+from rqbatcher.workers.bench.run import run_bench
+from rqbatcher.workers.bench.system import ALL_SYSTEMS, System
+from rqbatcher.workers.bench.workload import WorkloadRequest
 
 WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
             for i, (prompt_len, max_tokens) in enumerate([(9, 3), (21, 5), (5, 4)])]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.schema import GenerationRequest, SamplingParams
 from tests.engine_helpers import engine_for, random_prompts, run_all
 
 

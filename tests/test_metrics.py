@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.config import EngineConfig
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.config import EngineConfig
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.engine import build_engine
+from rqbatcher.workers.job_worker.engine_metrics import DEFAULT_METRICS_ADDR, FINISHED_REASONS, EngineMetrics
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
-from workers.engine.engine import build_engine
-from workers.job_worker.engine_metrics import DEFAULT_METRICS_ADDR, FINISHED_REASONS, EngineMetrics
 
 NUM_REQUESTS = 5
 MAX_TOKENS = 12
@@ -164,9 +164,9 @@ def test_http_scrape_while_requests_run(engine):
 def test_a_worker_counts_every_token_of_every_job_exactly(tiny_model_dir):
     """Jobs of 1, 2, 3 and 10 tokens through a worker: one time to first token each, `tokens - 1` gaps each,
     and the token counters equal the jobs' usage (the last token of a job counts too)."""
-    from batcher.client import Client
+    from rqbatcher.client import Client
+    from rqbatcher.workers.job_worker.worker import JobWorker
     from tests.jobs_support import embedded_redis
-    from workers.job_worker.worker import JobWorker
 
     connection = embedded_redis()
     engine = build_engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu"))

@@ -3,7 +3,7 @@
 import pytest
 from transformers import Gemma2Config
 
-from workers.model.loading import ModelLoadError, check_supported, load_model
+from rqbatcher.workers.model.loading import ModelLoadError, check_supported, load_model
 
 
 def test_unknown_model_fails_clearly():

@@ -1,4 +1,4 @@
-"""The bf16 CPU kernels (`kernels.native`) against torch's reference, and the engine on the cpu backend.
+"""The bf16 CPU kernels (`rqbatcher.kernels.native`) against torch's reference, and the engine on the cpu backend.
 
 They run only on a CPU with AVX-512 BF16; elsewhere these tests skip, and a CPU that has it but fails to
 build them fails here.
@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.attention import decode_attention, gather_blocks, prefill_attention
+from rqbatcher.kernels import native
+from rqbatcher.kernels.attention import decode_attention, gather_blocks, prefill_attention
+from rqbatcher.workers.model.packed_linear import pack_linears
 from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
 from tests.paged_cache import cache_slots
 from tests.paged_cache import scattered_cache as any_scattered_cache
 from tests.tiny_models import build_tiny_model
-from workers.model.packed_linear import pack_linears
 
 pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.BF16.cpu_flags),
                                 reason="this CPU has no AVX-512 BF16")
@@ -248,7 +248,7 @@ def test_auto_picks_the_cpu_backend_for_bf16_only(head_dim_64_models):
 def test_an_engine_where_the_kernels_cannot_load_runs_torch_paths(head_dim_64_models, monkeypatch):
     """No compiler, or a failed build: `auto` keeps torch's kernels, an explicit `cpu` is refused with the
     reason, and nothing calls the extension."""
-    from workers.model.attention_backend import AttentionBackendError
+    from rqbatcher.workers.model.attention_backend import AttentionBackendError
 
     monkeypatch.setattr(native, "_status", lambda build: (None, "building kernels/csrc failed: no compiler"))
     engine = engine_for(head_dim_64_models["llama"], dtype="bfloat16", max_num_seqs=2)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from batcher.openai.batch_lines import BatchLineError, BodyError, parse_batch_line, parse_body
+from rqbatcher.openai.batch_lines import BatchLineError, BodyError, parse_batch_line, parse_body
 
 
 def line(body, url="/v1/completions", **extra):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from batcher.scheduler.sequence import Sequence
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.scheduler.sequence import Sequence
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.choices import choice_seed
+from rqbatcher.workers.engine.sampling import Sampler, inverse_cdf, philox4x32, position_uniforms
 from tests.engine_helpers import engine_for, random_prompts, run_all
-from workers.engine.choices import choice_seed
-from workers.engine.sampling import Sampler, inverse_cdf, philox4x32, position_uniforms
 
 VOCAB = 16
 POSITIONS = 24

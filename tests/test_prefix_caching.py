@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-import kernels.attention
-import kernels.segmented
+import rqbatcher.kernels.attention
+import rqbatcher.kernels.segmented
 from tests.engine_helpers import engine_for, greedy, reference_tokens
 
 VOCAB = 384
@@ -83,10 +83,11 @@ def check_scenario(model_dir, name):
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_cached_tokens_equal_uncached_and_generate_alone(tiny_model_dir, name, monkeypatch):
     shared_reads = []
-    read_shared, read_fused = kernels.attention.shared_prefix_decode_attention, kernels.segmented.shared_prefix_decode
-    monkeypatch.setattr(kernels.attention, "shared_prefix_decode_attention",
+    read_shared = rqbatcher.kernels.attention.shared_prefix_decode_attention
+    read_fused = rqbatcher.kernels.segmented.shared_prefix_decode
+    monkeypatch.setattr(rqbatcher.kernels.attention, "shared_prefix_decode_attention",
                         lambda *args, **kw: shared_reads.append(1) or read_shared(*args, **kw))
-    monkeypatch.setattr(kernels.segmented, "shared_prefix_decode",
+    monkeypatch.setattr(rqbatcher.kernels.segmented, "shared_prefix_decode",
                         lambda *args, **kw: shared_reads.append(1) or read_fused(*args, **kw))
     hits, preemptions = check_scenario(tiny_model_dir("llama"), name)
     knobs = SCENARIOS[name][0]

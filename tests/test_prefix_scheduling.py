@@ -12,11 +12,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batcher.config import EngineConfig
-from batcher.scheduler import Scheduler, StepPlan
-from batcher.scheduler.blocks import BlockAllocator
-from batcher.scheduler.sequence import Sequence, SequenceStatus
-from batcher.schema import SamplingParams
+from rqbatcher.config import EngineConfig
+from rqbatcher.scheduler import Scheduler, StepPlan
+from rqbatcher.scheduler.blocks import BlockAllocator
+from rqbatcher.scheduler.sequence import Sequence, SequenceStatus
+from rqbatcher.schema import SamplingParams
 
 TOKEN = 7
 

@@ -14,14 +14,14 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry, clean_registries
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client, JobFailed
-from batcher.jobs import keys
-from batcher.jobs.contract import JOB_FUNCTION, MAX_REASON_CHARS
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.contract import JOB_FUNCTION, MAX_REASON_CHARS
+from rqbatcher.workers.job_worker.admission import BUSY_RESCAN_S
+from rqbatcher.workers.job_worker.leases import MAX_ATTEMPTS
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import continued_text, fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.test_worker import Q, events, expire_leases, fetch, make_worker, request
-from workers.job_worker.admission import BUSY_RESCAN_S
-from workers.job_worker.leases import MAX_ATTEMPTS
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
@@ -258,7 +258,7 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_is_requeued(fake_r
     fake_redis.lmove(queue.key, queue.intermediate_queue_key)  # taken (LMOVE), then the worker was killed
     worker = make_worker(fake_redis)
     assert worker.keeper.recover_expired() == 0  # first seen: it may still be starting
-    monkeypatch.setattr("workers.job_worker.leases.STRANDED_GRACE_LEASES", 0)
+    monkeypatch.setattr("rqbatcher.workers.job_worker.leases.STRANDED_GRACE_LEASES", 0)
     assert worker.keeper.recover_expired() == 1
     assert queue.job_ids == [job_id] and fake_redis.llen(queue.intermediate_queue_key) == 0
     worker.work(burst=True)

@@ -1,4 +1,4 @@
-"""Redis URLs (batcher.jobs.connection) and replica confirmation (batcher.jobs.durability).
+"""Redis URLs (rqbatcher.jobs.connection) and replica confirmation (rqbatcher.jobs.durability).
 
 The URL forms are checked without a server; READONLY and WAIT against redis-server processes of our own
 (tests/reliability/support.py), since fakeredis has neither replicas nor WAIT."""
@@ -20,9 +20,9 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.sentinel import SentinelConnectionPool
 
-from batcher.client import REDIS_URL_ENV, Client, connect
-from batcher.jobs import durability
-from batcher.jobs.connection import (
+from rqbatcher.client import REDIS_URL_ENV, Client, connect
+from rqbatcher.jobs import durability
+from rqbatcher.jobs.connection import (
     DEFAULT_SENTINEL_PORT,
     DEMOTED,
     FailoverConnection,
@@ -30,8 +30,8 @@ from batcher.jobs.connection import (
     describe,
     parse_sentinel_url,
 )
-from batcher.jobs.connection import connect as connect_url
-from batcher.jobs.durability import NotReplicated, ReplicaWait
+from rqbatcher.jobs.connection import connect as connect_url
+from rqbatcher.jobs.durability import NotReplicated, ReplicaWait
 from tests.jobs_support import wait_for
 from tests.reliability.support import RedisServer, free_port
 
@@ -147,7 +147,7 @@ def test_confirm_waits_for_the_replica_and_reports_one_that_does_not_answer(prim
         connection.set("job", 2)
         with pytest.raises(NotReplicated, match="0 of 1 replicas confirmed a write within 50 ms"):
             durability.confirm(connection, "a write", ReplicaWait(timeout_ms=50))
-        with caplog.at_level(logging.WARNING, logger="batcher.jobs.durability"):
+        with caplog.at_level(logging.WARNING, logger="rqbatcher.jobs.durability"):
             assert durability.confirm(connection, "a write", ReplicaWait(timeout_ms=50), strict=False) == 0
         assert "0 of 1 replicas confirmed" in caplog.text
         with pytest.raises(NotReplicated, match="0 of 2 replicas"):

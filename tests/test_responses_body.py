@@ -8,13 +8,13 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from batcher.gateway.response_events import ResponseEvents
-from batcher.openai.batch_lines import BodyError
-from batcher.openai.response_items import answer_messages, input_items
-from batcher.openai.responses_body import echo_fields, parse_responses_body, response_object
-from batcher.responses.records import ResponseNotFound, ResponseRecord, ResponseRecords
-from batcher.schema import ChatMessage, GenerationResult, StreamEvent, Usage
-from batcher.tools.calls import call_id
+from rqbatcher.gateway.response_events import ResponseEvents
+from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.response_items import answer_messages, input_items
+from rqbatcher.openai.responses_body import echo_fields, parse_responses_body, response_object
+from rqbatcher.responses.records import ResponseNotFound, ResponseRecord, ResponseRecords
+from rqbatcher.schema import ChatMessage, GenerationResult, StreamEvent, Usage
+from rqbatcher.tools.calls import call_id
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"]}

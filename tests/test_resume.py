@@ -1,16 +1,16 @@
 """Resume, not restart: a request added with what an earlier attempt generated (`Engine.add(progress=...)`) goes on
 to the very answer an uninterrupted run gives: the same tokens, the same text, streamed from where the earlier
 attempt's stream stopped (stop strings and grammars across the cut, logprobs, every choice of n > 1). And the
-worker's side: what a stream lets a rerun continue from (`workers.job_worker.resume`)."""
+worker's side: what a stream lets a rerun continue from (`rqbatcher.workers.job_worker.resume`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from batcher.schema import GenerationRequest, SamplingParams, StreamEvent, TokenLogprob
+from rqbatcher.schema import GenerationRequest, SamplingParams, StreamEvent, TokenLogprob
+from rqbatcher.workers.engine.api import Progress
+from rqbatcher.workers.job_worker.resume import read_resumable, with_job_seed
 from tests.engine_helpers import engine_for, greedy, random_prompts
-from workers.engine.api import Progress
-from workers.job_worker.resume import read_resumable, with_job_seed
 
 PROMPT = random_prompts(1, seed=11, min_len=12, max_len=12)[0]
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batcher.jobs import admin, keys
-from batcher.jobs.worker_stats import WorkerStats
-from batcher.logit_bias import logit_bias_problem
-from batcher.scheduler.sequence import Sequence
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.jobs import admin, keys
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.logit_bias import logit_bias_problem
+from rqbatcher.scheduler.sequence import Sequence
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.api import RequestError
+from rqbatcher.workers.engine.sampling import Sampler, apply_frequency_presence, apply_logit_bias
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests import fake_engine
 from tests.engine_helpers import engine_for, greedy, run_all
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
-from workers.engine.api import RequestError
-from workers.engine.sampling import Sampler, apply_frequency_presence, apply_logit_bias
-from workers.job_worker.worker import JobWorker
 
 VOCAB = 8
 REPEATING_PROMPT = [5, 6, 7]  # the tiny llama's greedy answer to it repeats one token over and over

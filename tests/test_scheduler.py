@@ -5,11 +5,11 @@ sequence that samples this step draws token 7."""
 
 import itertools
 
-from batcher.config import EngineConfig
-from batcher.scheduler import Scheduler
-from batcher.scheduler.blocks import BlockAllocator
-from batcher.scheduler.sequence import Sequence, SequenceStatus
-from batcher.schema import SamplingParams
+from rqbatcher.config import EngineConfig
+from rqbatcher.scheduler import Scheduler
+from rqbatcher.scheduler.blocks import BlockAllocator
+from rqbatcher.scheduler.sequence import Sequence, SequenceStatus
+from rqbatcher.schema import SamplingParams
 
 
 def make(num_blocks=100, block_size=4, **cfg):

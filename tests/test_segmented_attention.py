@@ -1,4 +1,4 @@
-"""The fused CPU path (`kernels.segmented`: flash attention over views of the paged cache, merged by
+"""The fused CPU path (`rqbatcher.kernels.segmented`: flash attention over views of the paged cache, merged by
 log-sum-exp) against the dense reference, on random shapes and block layouts."""
 
 import random
@@ -6,9 +6,17 @@ import random
 import pytest
 import torch
 
-from kernels import segmented
-from kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan, attend, decode_runs, length_bias, write_kv
-from kernels.segmented import MAX_VIEW_RUNS, key_rows, key_runs
+from rqbatcher.kernels import segmented
+from rqbatcher.kernels.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    attend,
+    decode_runs,
+    length_bias,
+    write_kv,
+)
+from rqbatcher.kernels.segmented import MAX_VIEW_RUNS, key_rows, key_runs
 from tests.test_kernels import dense_reference
 
 CPU = torch.device("cpu")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.bench.experiments import serving_report as sr
-from workers.bench.experiments.serving import SERVED, Settings, guidellm_command
+from rqbatcher.workers.bench.experiments import serving_report as sr
+from rqbatcher.workers.bench.experiments.serving import SERVED, Settings, guidellm_command
 
 
 def distribution(count: int, p50: float = 0.0, p99: float = 0.0, mean: float = 0.0) -> dict:

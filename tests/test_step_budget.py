@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from batcher.scheduler import preemption, step_budget
-from batcher.scheduler.preemption import FAIRNESS_INTERVAL_STEPS, NEAR_END_TOKENS
-from batcher.scheduler.step_cost import StepCostModel
-from batcher.service_class import BATCH, INTERACTIVE, PRIORITY
+from rqbatcher.scheduler import preemption, step_budget
+from rqbatcher.scheduler.preemption import FAIRNESS_INTERVAL_STEPS, NEAR_END_TOKENS
+from rqbatcher.scheduler.step_cost import StepCostModel
+from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.test_scheduler import make, simulate_step
 from tests.test_urgency_scheduling import classed

@@ -7,11 +7,11 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from batcher.gateway.job_streams import TextRelay
-from batcher.jobs import keys
-from batcher.jobs.stream import AttemptFilter
-from batcher.schema import GenerationResult, StreamEvent, Usage
-from workers.job_worker.stream_writer import StreamWriter
+from rqbatcher.gateway.job_streams import TextRelay
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.stream import AttemptFilter
+from rqbatcher.schema import GenerationResult, StreamEvent, Usage
+from rqbatcher.workers.job_worker.stream_writer import StreamWriter
 
 JOB, EXECUTION = "job-1", "exec-1"
 

@@ -10,11 +10,11 @@ import time
 import jsonschema
 import pytest
 
-from batcher.constraints import INT_MAX, INT_MIN, NUMBER_DIGITS
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.constraints import INT_MAX, INT_MIN, NUMBER_DIGITS
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine import structured
+from rqbatcher.workers.engine.api import RequestError
 from tests.engine_helpers import engine_for, random_prompts, run_all, run_counting_preemptions
-from workers.engine import structured
-from workers.engine.api import RequestError
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -154,7 +154,7 @@ def test_compiled_grammars_are_cached_by_grammar(tiny_model_dir, monkeypatch):
 def test_batcher_run_answers_schema_lines_with_valid_json_and_a_bad_schema_with_an_error_line(tiny_model_dir, tmp_path):
     from click.testing import CliRunner
 
-    from batcher.cli import main
+    from rqbatcher.cli import main
 
     schema = {"type": "object", "additionalProperties": False, "required": ["word", "ok"],
               "properties": {"word": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}}}

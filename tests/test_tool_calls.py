@@ -10,11 +10,11 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from batcher.openai.batch_lines import CHAT_URL, BodyError, parse_body, response_body
-from batcher.schema import GenerationRequest, GenerationResult, Usage
-from batcher.tools.calls import CallReader, call_id, read_answer
-from batcher.tools.grammar import MAX_CALLS_PER_ANSWER, call_text, closed_objects
-from batcher.tools.prompt import chat_inputs, template_reads_tools
+from rqbatcher.openai.batch_lines import CHAT_URL, BodyError, parse_body, response_body
+from rqbatcher.schema import GenerationRequest, GenerationResult, Usage
+from rqbatcher.tools.calls import CallReader, call_id, read_answer
+from rqbatcher.tools.grammar import MAX_CALLS_PER_ANSWER, call_text, closed_objects
+from rqbatcher.tools.prompt import chat_inputs, template_reads_tools
 from tests.engine_helpers import engine_for, run_all
 from tests.tiny_models import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, build_tool_model
 

@@ -3,7 +3,7 @@ set in tests/conftest.py), or on CUDA where `make gpu-check` runs these tests.
 
 A random step mixes decodes and prefill chunks, some after cached context, one starting from blocks that
 another sequence of the same step fills (a prefix-cache hit), over scattered blocks; the kernels must store
-the same cache and attend as `kernels.attention` does. The interpreter is slow: the default cases cover each
+the same cache and attend as `rqbatcher.kernels.attention` does. The interpreter is slow: the default cases cover each
 GQA ratio, block size, window and dtype once; the full product is `slow`.
 """
 
@@ -20,11 +20,11 @@ DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET", "0") == "0" a
                       else "cpu")
 pytest.importorskip("triton", minversion="3.9" if DEVICE.type == "cpu" else None)  # older interpreters lack bf16
 
-from batcher.config import EngineConfig  # noqa: E402
-from kernels.attention import gather_blocks, prefill_attention, write_kv  # noqa: E402
-from kernels.triton_attention import FlatAttentionMetadata  # noqa: E402
+from rqbatcher.config import EngineConfig  # noqa: E402
+from rqbatcher.kernels.attention import gather_blocks, prefill_attention, write_kv  # noqa: E402
+from rqbatcher.kernels.triton_attention import FlatAttentionMetadata  # noqa: E402
+from rqbatcher.workers.model.attention_backend import AttentionBackendError, resolve_attention_backend  # noqa: E402
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all  # noqa: E402
-from workers.model.attention_backend import AttentionBackendError, resolve_attention_backend  # noqa: E402
 
 pytestmark = pytest.mark.triton
 KV_HEADS = 2
@@ -123,7 +123,7 @@ def test_every_shape_matches_the_torch_path(gqa, block_size, window, dtype):
 @pytest.mark.parametrize("window", [None, 50])
 def test_long_contexts_split_across_programs_merge_to_the_same_output(window):
     """Several programs share each query tile's keys (split-KV), and their log-sum-exp merge is exact."""
-    from kernels import triton_kernels
+    from rqbatcher.kernels import triton_kernels
 
     spec = [(150, 1), (0, 1), (90, 1), (40, 6)]
     rows, slots, caches, q, k, v = random_step(spec, 2, 16, torch.float32, seed=5, shared_prefix=False)
@@ -140,7 +140,7 @@ def test_long_contexts_split_across_programs_merge_to_the_same_output(window):
 
 
 def test_split_count_fills_the_device_only_for_long_contexts():
-    from kernels.triton_kernels import splits_for
+    from rqbatcher.kernels.triton_kernels import splits_for
 
     assert splits_for(programs=4, max_seq_len=8192, target_programs=256, min_keys_per_split=256, max_splits=16) == 16
     assert splits_for(programs=4, max_seq_len=600, target_programs=256, min_keys_per_split=256, max_splits=16) == 2
@@ -224,8 +224,8 @@ def generate_on(model_dir, prompts, max_tokens, device) -> list[list[int]]:
 @pytest.mark.parametrize("name", ["qwen3", "smollm2"])
 def test_greedy_tokens_equal_generate_on_the_gpu_check_models(name, tmp_path):
     """What `make gpu-check` asks of a GPU: SmolLM2 (GQA 3) and a tiny Qwen3 (q/k norms), long prompts in chunks."""
+    from rqbatcher.workers.model.loading import smollm2_checkpoint
     from tests.tiny_models import build_tiny_model
-    from workers.model.loading import smollm2_checkpoint
 
     if name == "smollm2" and DEVICE.type == "cpu":
         pytest.skip("SmolLM2 in triton's interpreter takes too long: make gpu-check runs it on CUDA")

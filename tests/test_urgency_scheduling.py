@@ -3,7 +3,7 @@ a tiny real model, a sequence preempted for urgency resumes to the same greedy f
 
 from __future__ import annotations
 
-from batcher.service_class import BATCH, INTERACTIVE, PRIORITY, RANK
+from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY, RANK
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.test_scheduler import make, seq, simulate_step
 

@@ -10,16 +10,16 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.life import announce_response_end_on
-from batcher.schema import GenerationRequest, GenerationResult
-from batcher.webhooks import endpoints
-from batcher.webhooks.addresses import RefusedAddress, is_public, split_url
-from batcher.webhooks.delivery import DELIVERY_QUEUE, RETRY_INTERVALS_S, delivery_job_id, retry_policy
-from batcher.webhooks.event_payload import encode, event_id, from_outbox_entry
-from batcher.webhooks.outbox import dispatch
-from batcher.webhooks.signing import new_secret, signed_headers
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.life import announce_response_end_on
+from rqbatcher.schema import GenerationRequest, GenerationResult
+from rqbatcher.webhooks import endpoints
+from rqbatcher.webhooks.addresses import RefusedAddress, is_public, split_url
+from rqbatcher.webhooks.delivery import DELIVERY_QUEUE, RETRY_INTERVALS_S, delivery_job_id, retry_policy
+from rqbatcher.webhooks.event_payload import encode, event_id, from_outbox_entry
+from rqbatcher.webhooks.outbox import dispatch
+from rqbatcher.webhooks.signing import new_secret, signed_headers
 
 
 def entry(event_type="batch.completed", subject="batch_abc", tenant=None, created_at=1_700_000_000) -> str:

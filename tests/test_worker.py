@@ -16,14 +16,14 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
 
-from batcher.client import Client, JobFailed
-from batcher.jobs import admin, keys
-from batcher.jobs.contract import JOB_FUNCTION
-from batcher.jobs.life import PICKLED_JOB_REASON
-from batcher.schema import GenerationRequest, StreamEvent
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.jobs import admin, keys
+from rqbatcher.jobs.contract import JOB_FUNCTION
+from rqbatcher.jobs.life import PICKLED_JOB_REASON
+from rqbatcher.schema import GenerationRequest, StreamEvent
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import continued_text, fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
-from workers.job_worker.worker import JobWorker
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 Q = "w"
@@ -111,7 +111,7 @@ def test_every_bad_job_fails_alone_with_a_readable_reason(fake_redis):
     past = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
     bad = {
         Queue(Q, connection=fake_redis).enqueue(JOB_FUNCTION, {"prompt": Tripwire()}).id: PICKLED_JOB_REASON,
-        json_queue.enqueue("os.system", "echo hi").id: "runs only batcher.jobs.generate",
+        json_queue.enqueue("os.system", "echo hi").id: "runs only rqbatcher.jobs.generate",
         json_queue.enqueue(JOB_FUNCTION, "just a prompt").id: "one positional argument",
         json_queue.enqueue(JOB_FUNCTION, {"prompt": "hi", "sampling": {"top_p": 2}}).id:
             "invalid request: sampling.top_p",

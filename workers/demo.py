@@ -17,12 +17,12 @@ from importlib import resources
 import click
 from redis import Redis
 
-from batcher.client import Client, JobFailed
-from batcher.config import EngineConfig
-from batcher.openai.batch_lines import parse_batch_line
-from batcher.schema import GenerationRequest
-from workers.engine.engine import Engine
-from workers.job_worker.worker import JobWorker
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.config import EngineConfig
+from rqbatcher.openai.batch_lines import parse_batch_line
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.workers.engine.engine import Engine
+from rqbatcher.workers.job_worker.worker import JobWorker
 
 SAMPLES = "samples.jsonl"
 REDRAW_S = 0.5
@@ -41,7 +41,7 @@ class Progress:
 
 
 def sample_requests() -> list[tuple[str, GenerationRequest]]:
-    lines = (resources.files("batcher.data") / SAMPLES).read_text().splitlines()
+    lines = (resources.files("rqbatcher.data") / SAMPLES).read_text().splitlines()
     return [parse_batch_line(line) for line in lines if line.strip()]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from redis import Redis
 
-from batcher.jobs.rq_adapter import pin_server_version
+from rqbatcher.jobs.rq_adapter import pin_server_version
 
 EMBEDDED_SERVER_VERSION = (7, 2, 0)  # fakeredis answers no INFO; RQ is told the version it would ask for
 

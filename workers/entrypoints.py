@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from batcher.client import connect
-from batcher.config import EngineConfig
-from batcher.jobs import keys
-from workers.engine.engine import Engine, build_engine
+from rqbatcher.client import connect
+from rqbatcher.config import EngineConfig
+from rqbatcher.jobs import keys
+from rqbatcher.workers.engine.engine import Engine, build_engine
 
 if TYPE_CHECKING:  # the bench harness loads only when `batcher bench` runs, never in `batcher worker`
-    from workers.bench.report import BenchReport
-    from workers.bench.system import System
+    from rqbatcher.workers.bench.report import BenchReport
+    from rqbatcher.workers.bench.system import System
 
 
 def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig, *, name: str | None,
@@ -24,7 +24,7 @@ def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig,
                  metrics_addr: str, announce: Callable[[str], None]) -> None:
     """Load the model and serve `queues` (most urgent first, each with its priority levels and its model's
     queue) until drained; with `metrics_port`, serve Prometheus metrics too (announced once listening)."""
-    from workers.job_worker.worker import JobWorker
+    from rqbatcher.workers.job_worker.worker import JobWorker
 
     model_name = served_model_name or engine_config.model
     for queue in queues:
@@ -33,8 +33,8 @@ def serve_worker(redis_url: str, queues: list[str], engine_config: EngineConfig,
     engine = build_engine(engine_config)
     hooks = {}
     if metrics_port is not None:
-        from workers.job_worker.class_metrics import ClassMetrics, combined_hooks
-        from workers.job_worker.engine_metrics import EngineMetrics
+        from rqbatcher.workers.job_worker.class_metrics import ClassMetrics, combined_hooks
+        from rqbatcher.workers.job_worker.engine_metrics import EngineMetrics
 
         metrics = EngineMetrics(engine)
         server = metrics.start_http_server(metrics_port, metrics_addr)  # after the model loaded: probes rely on it
@@ -51,14 +51,14 @@ def load_engine(engine_config: EngineConfig) -> Engine:
 
 def run_file(engine: Engine, lines: list[str], on_done: Callable[[], None]) -> list[dict]:
     """`batcher run`: an OpenAI batch file's lines through the engine, without Redis; results in input order."""
-    from workers.offline import run_batch
+    from rqbatcher.workers.offline import run_batch
 
     return run_batch(engine, lines, on_done=on_done)
 
 
 def parse_system(spec: str) -> System:
     """A bench system from its name (`batcher:continuous@redis`, `hf-cb`...); ValueError names the known ones."""
-    from workers.bench.system import System
+    from rqbatcher.workers.bench.system import System
 
     return System.parse(spec)
 
@@ -66,8 +66,8 @@ def parse_system(spec: str) -> System:
 def bench(workload: str, systems: list[System], baseline: System, engine_config: EngineConfig, threads: int,
           redis_url: str | None) -> BenchReport:
     """Run a workload (a file, or a bundled name) through `systems` and compare them with `baseline`."""
-    from workers.bench.run import run_bench
-    from workers.bench.workload import load_workload, workload_path
+    from rqbatcher.workers.bench.run import run_bench
+    from rqbatcher.workers.bench.workload import load_workload, workload_path
 
     items = load_workload(workload)
     if any(s.through_redis for s in systems):
@@ -76,15 +76,15 @@ def bench(workload: str, systems: list[System], baseline: System, engine_config:
 
 
 def plot(report: BenchReport, path: str) -> None:
-    from workers.bench.plot import plot_report
+    from rqbatcher.workers.bench.plot import plot_report
 
     plot_report(report, path)
 
 
 def demo(redis_url: str | None, engine_config: EngineConfig, compare: bool) -> None:
     """`batcher demo`: the bundled documents summarised through Redis (embedded where none is given) and a worker."""
-    from workers.demo import run_demo
-    from workers.embedded_redis import embedded_redis
+    from rqbatcher.workers.demo import run_demo
+    from rqbatcher.workers.embedded_redis import embedded_redis
 
     connection = connect(redis_url) if redis_url else embedded_redis()
     connection.ping()  # a Redis that cannot be reached is reported now, not after loading the model

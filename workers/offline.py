@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from batcher.openai.batch_endpoints import output_line, parse_line
-from batcher.openai.batch_lines import BatchLineError, error_line
-from batcher.schema import BatchItem, GenerationRequest, Timings
-from workers.engine.api import RequestError
-from workers.engine.engine import Engine
+from rqbatcher.openai.batch_endpoints import output_line, parse_line
+from rqbatcher.openai.batch_lines import BatchLineError, error_line
+from rqbatcher.schema import BatchItem, GenerationRequest, Timings
+from rqbatcher.workers.engine.api import RequestError
+from rqbatcher.workers.engine.engine import Engine
 
 OFFLINE_BATCH = "offline"  # the BatchItem's batch: no batch in Redis holds these lines
 

@@ -14,7 +14,7 @@ searched for the batch's jobs by that prefix, and a job's index is in its own ar
 
 Counts are exact through crashes and retries: a job's outcome is written by one Lua script that runs
 inside the transaction recording the job's result (`lines.record_outcome_on`, called by
-`batcher.jobs.life.record_end`). The script writes the line with
+`rqbatcher.jobs.life.record_end`). The script writes the line with
 HSETNX, and counts it only if it was new, so whoever records an index first wins and a repeated or
 late write (a retried job, a job stopped after its batch was cancelled) changes nothing. That is O(1)
 Redis work per job, with no scan over the batch. The same script moves the batch to `completed` (or

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batcher.jobs import keys
-from batcher.jobs.redis_text import as_text
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.redis_text import as_text
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]

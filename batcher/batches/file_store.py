@@ -23,9 +23,9 @@ from typing import Literal
 from pydantic import BaseModel
 from redis import Redis
 
-from batcher.errors import BatcherError, InvalidName
-from batcher.jobs import keys
-from batcher.jobs.redis_text import as_text
+from rqbatcher.errors import BatcherError, InvalidName
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.redis_text import as_text
 
 CHUNK_BYTES = 256 * 1024  # bytes per list item: one Redis write per chunk, one chunk in memory at a time
 UPLOAD_TTL_S = 3600  # the chunks of an upload that never finished

@@ -13,19 +13,19 @@ from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
-from batcher.batches.batch_object import (
+from rqbatcher.batches.batch_object import (
     DEFAULT_BATCH_RETENTION_S,
     DEFAULT_COMPLETION_WINDOW,
     Batch,
     outlasting_retention,
 )
-from batcher.batches.store import BatchStore
-from batcher.jobs import keys
-from batcher.jobs.enqueue import Enqueuer, QueueFull
-from batcher.openai.batch_endpoints import ENDPOINTS, parse_line
-from batcher.openai.batch_lines import CHAT_URL, BatchLineError
-from batcher.schema import BatchItem, GenerationRequest
-from batcher.service_class import BATCH
+from rqbatcher.batches.store import BatchStore
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.enqueue import Enqueuer, QueueFull
+from rqbatcher.openai.batch_endpoints import ENDPOINTS, parse_line
+from rqbatcher.openai.batch_lines import CHAT_URL, BatchLineError
+from rqbatcher.schema import BatchItem, GenerationRequest
+from rqbatcher.service_class import BATCH
 
 BATCH_CHUNK = 1000  # batch lines per enqueue pipeline: a big file never sits in memory whole
 QUEUE_TTL_MARGIN_S = 60  # a batch's jobs may wait in their queue until the window ends, and a little more

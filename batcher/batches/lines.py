@@ -1,7 +1,7 @@
 """A batch's lines: each request's outcome, written once by one script, and the output and error files
 rendered from them in input order.
 
-Every job end reports here (`record_outcome_on`, called by `batcher.jobs.life.record_end`): a batch job's
+Every job end reports here (`record_outcome_on`, called by `rqbatcher.jobs.life.record_end`): a batch job's
 output or error line and its counts, and, for every job, its completion-feed entries. A sweep (cancel, expiry)
 gives the lines no job will write an error line (`write_error_line_on`). The script writes a line with HSETNX
 and counts it only if it was new, so whoever records an index first wins, and a repeated or late write changes
@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 from redis import Redis
 
-from batcher.batches import scripts
-from batcher.batches.batch_object import Batch
-from batcher.jobs import keys
-from batcher.openai.batch_endpoints import output_line
-from batcher.openai.batch_lines import error_line
-from batcher.schema import GenerationRequest, GenerationResult
+from rqbatcher.batches import scripts
+from rqbatcher.batches.batch_object import Batch
+from rqbatcher.jobs import keys
+from rqbatcher.openai.batch_endpoints import output_line
+from rqbatcher.openai.batch_lines import error_line
+from rqbatcher.schema import GenerationRequest, GenerationResult
 
 FEED_MAXLEN = 100_000  # entries kept per feed stream (trimmed approximately)
 CHUNK = 1000  # lines per pipeline when creating, sweeping or rendering a batch

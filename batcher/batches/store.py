@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 from redis import Redis
 
-from batcher.batches import scripts
-from batcher.batches.batch_object import (
+from rqbatcher.batches import scripts
+from rqbatcher.batches.batch_object import (
     ACTIVE,
     DEFAULT_BATCH_RETENTION_S,
     Batch,
@@ -22,14 +22,14 @@ from batcher.batches.batch_object import (
     new_batch_id,
     parse_window,
 )
-from batcher.batches.lines import CHUNK, EXPIRED_MESSAGE, rendered, write_error_line_on
-from batcher.jobs import keys
-from batcher.jobs.fairness import forget_on
-from batcher.jobs.life import cancel_held
-from batcher.jobs.redis_text import as_text
-from batcher.jobs.rq_adapter import Queue, cancel_taken_on, held_job_ids, rq_queue
-from batcher.openai.batch_endpoints import ENDPOINTS
-from batcher.webhooks.outbox import dispatch_after
+from rqbatcher.batches.lines import CHUNK, EXPIRED_MESSAGE, rendered, write_error_line_on
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.fairness import forget_on
+from rqbatcher.jobs.life import cancel_held
+from rqbatcher.jobs.redis_text import as_text
+from rqbatcher.jobs.rq_adapter import Queue, cancel_taken_on, held_job_ids, rq_queue
+from rqbatcher.openai.batch_endpoints import ENDPOINTS
+from rqbatcher.webhooks.outbox import dispatch_after
 
 CANCELLED_MESSAGE = "The batch was cancelled before this request finished."
 SWEEPS = {"cancelled": ("batch_cancelled", CANCELLED_MESSAGE), "expired": ("batch_expired", EXPIRED_MESSAGE)}

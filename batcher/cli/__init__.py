@@ -7,7 +7,7 @@ traceback instead.
 """
 
 # Each module registers its commands on `main`.
-from batcher.cli import (
+from rqbatcher.cli import (
     admin_commands,  # noqa: F401  (workers, drain, suspend, resume, queues, requeue)
     batch_commands,  # noqa: F401  (the batch group)
     engine_commands,  # noqa: F401  (worker, run, bench, demo: the one door into workers/)
@@ -15,6 +15,6 @@ from batcher.cli import (
     serve_commands,  # noqa: F401  (serve)
     webhooks_commands,  # noqa: F401  (the webhooks group: add, list, remove, worker)
 )
-from batcher.cli.group import main
+from rqbatcher.cli.group import main
 
 __all__ = ["main"]

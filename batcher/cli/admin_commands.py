@@ -10,16 +10,16 @@ import time
 
 import click
 
-from batcher.cli.group import main
-from batcher.cli.options import json_option, redis_url_option
-from batcher.jobs import admin, keys
+from rqbatcher.cli.group import main
+from rqbatcher.cli.options import json_option, redis_url_option
+from rqbatcher.jobs import admin, keys
 
 DRAIN_POLL_S = 0.5
 DEFAULT_DRAIN_TIMEOUT_S = 600
 
 
 def _connect(redis_url: str):
-    from batcher.client import connect
+    from rqbatcher.client import connect
 
     return connect(redis_url)
 

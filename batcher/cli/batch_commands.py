@@ -9,12 +9,12 @@ import time
 
 import click
 
-import batcher.cli.options as options
-from batcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW
-from batcher.cli.group import main
-from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
-from batcher.jobs import keys
-from batcher.openai.batch_endpoints import ENDPOINTS
+import rqbatcher.cli.options as options
+from rqbatcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW
+from rqbatcher.cli.group import main
+from rqbatcher.cli.options import queue_option, redis_url_option, replica_wait_options
+from rqbatcher.jobs import keys
+from rqbatcher.openai.batch_endpoints import ENDPOINTS
 
 WAIT_POLL_S = 0.5
 DEFAULT_LIST_LIMIT = 20
@@ -24,8 +24,8 @@ DEFAULT_LIST_LIMIT = 20
 def batch_errors():
     """Turn an unknown batch id, bad batch settings or a full queue into a one-line CLI error (a bad line
     of the file is not an error here: it becomes a failed request with its reason in the error file)."""
-    from batcher.batches.batch_object import BatchInputError, BatchNotFound
-    from batcher.client import QueueFull
+    from rqbatcher.batches.batch_object import BatchInputError, BatchNotFound
+    from rqbatcher.client import QueueFull
 
     try:
         yield

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import click
 
-from batcher.cli.group import main
-from batcher.cli.options import engine_options, prefix_caching_option, redis_url_option, replica_wait_options
-from batcher.client import REDIS_URL_ENV
-from batcher.config import DEFAULT_METRICS_ADDR, EngineConfig
-from batcher.jobs import keys
-from batcher.jobs.contract import DEFAULT_LEASE_S
+from rqbatcher.cli.group import main
+from rqbatcher.cli.options import engine_options, prefix_caching_option, redis_url_option, replica_wait_options
+from rqbatcher.client import REDIS_URL_ENV
+from rqbatcher.config import DEFAULT_METRICS_ADDR, EngineConfig
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.contract import DEFAULT_LEASE_S
 
 
 @main.command()
@@ -40,7 +40,7 @@ def worker(redis_url, queues, engine_config, name, served_model_name, lease, bur
 
     The first SIGINT/SIGTERM (or RQ's shutdown command) drains: no new jobs, the running ones finish,
     exit 0. A second one puts the running jobs back at the front of their queues."""
-    from workers import entrypoints
+    from rqbatcher.workers import entrypoints
     entrypoints.serve_worker(redis_url, list(queues), engine_config, name=name, served_model_name=served_model_name,
                              lease_s=lease, burst=burst, metrics_port=metrics_port, metrics_addr=metrics_addr,
                              announce=lambda line: click.echo(line, err=True))
@@ -57,7 +57,7 @@ def run(engine_config, input_path, output_path, print_texts):
     import json
     import sys
 
-    from workers import entrypoints
+    from rqbatcher.workers import entrypoints
     lines = input_path.readlines()
     engine = entrypoints.load_engine(engine_config)
     total = sum(1 for line in lines if line.strip())
@@ -75,7 +75,7 @@ def run(engine_config, input_path, output_path, print_texts):
 
 
 def _systems(ctx, param, value):
-    from workers import entrypoints
+    from rqbatcher.workers import entrypoints
     try:
         return [entrypoints.parse_system(s.strip()) for s in value.split(",") if s.strip()] if value else []
     except ValueError as exc:
@@ -111,7 +111,7 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
     """
     import json
 
-    from workers import entrypoints
+    from rqbatcher.workers import entrypoints
     def as_run(system):
         """The system as this invocation runs it, after --through and --no-prefix-caching."""
         system = system.via_redis() if through == "redis" else system
@@ -148,6 +148,6 @@ DEMO_MAX_NUM_SEQS = 4  # fewer slots than jobs, so the jobs contend for slots as
 @prefix_caching_option
 def demo(redis_url, model, max_num_seqs, compare, prefix_caching):
     """Summarise the bundled documents through Redis and a worker, live, on the bundled model."""
-    from workers import entrypoints
+    from rqbatcher.workers import entrypoints
     entrypoints.demo(redis_url, EngineConfig(model=model, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching),
                      compare)

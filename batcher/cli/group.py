@@ -8,7 +8,7 @@ import click
 import redis.exceptions
 from pydantic import ValidationError
 
-from batcher.errors import BatcherError
+from rqbatcher.errors import BatcherError
 
 DEBUG_ENV = "BATCHER_DEBUG"
 FAULT_EXIT_CODE = 1
@@ -16,7 +16,7 @@ FAULT_EXIT_CODE = 1
 
 def describe_fault(exc: BaseException) -> str | None:
     """The one line a user sees for an expected fault; None for anything else (a bug: show the traceback)."""
-    from batcher.openai.batch_lines import readable
+    from rqbatcher.openai.batch_lines import readable
 
     if isinstance(exc, BatcherError):
         return str(exc)

@@ -6,11 +6,11 @@ import sys
 
 import click
 
-import batcher.cli.batch_commands as batch_commands
-import batcher.cli.options as options
-from batcher.cli.group import main
-from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
-from batcher.jobs import keys
+import rqbatcher.cli.batch_commands as batch_commands
+import rqbatcher.cli.options as options
+from rqbatcher.cli.group import main
+from rqbatcher.cli.options import queue_option, redis_url_option, replica_wait_options
+from rqbatcher.jobs import keys
 
 SCHEMA_NAME = "answer"  # the json_schema name of `submit --json-schema` (OpenAI's format requires one)
 
@@ -50,8 +50,8 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
     if prompt is not None:
         from pydantic import ValidationError
 
-        from batcher.openai.batch_lines import readable
-        from batcher.schema import GenerationRequest
+        from rqbatcher.openai.batch_lines import readable
+        from rqbatcher.schema import GenerationRequest
 
         sampling = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
                                       ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty))

@@ -6,9 +6,9 @@ import functools
 
 import click
 
-from batcher import config as c
-from batcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
-from batcher.jobs import durability, keys
+from rqbatcher import config as c
+from rqbatcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from rqbatcher.jobs import durability, keys
 
 redis_url_option = click.option(
     "--redis-url", default=DEFAULT_REDIS_URL, envvar=REDIS_URL_ENV, show_default=True,
@@ -20,7 +20,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 
 def make_client(redis_url: str, queue: str = keys.DEFAULT_QUEUE):
     """The client a command uses (one place, so that tests can put a fake Redis behind every command)."""
-    from batcher.client import Client
+    from rqbatcher.client import Client
 
     return Client(redis_url, queue=queue)
 
@@ -95,7 +95,7 @@ def engine_options(func):
 
 def replica_wait_options(func):
     """Add --wait-replicas and --wait-timeout-ms to a command that writes what is acknowledged (enqueues, job
-    ends); they set this process's `batcher.jobs.durability` policy before the command runs."""
+    ends); they set this process's `rqbatcher.jobs.durability` policy before the command runs."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         replicas, timeout_ms = kwargs.pop("wait_replicas"), kwargs.pop("wait_timeout_ms")

@@ -6,12 +6,12 @@ import os
 
 import click
 
-from batcher.batches.file_store import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
-from batcher.cli.group import main
-from batcher.cli.options import queue_option, redis_url_option, replica_wait_options
-from batcher.client import DEFAULT_MAX_QUEUE_LENGTH
-from batcher.errors import BatcherError
-from batcher.gateway.defaults import (
+from rqbatcher.batches.file_store import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
+from rqbatcher.cli.group import main
+from rqbatcher.cli.options import queue_option, redis_url_option, replica_wait_options
+from rqbatcher.client import DEFAULT_MAX_QUEUE_LENGTH
+from rqbatcher.errors import BatcherError
+from rqbatcher.gateway.defaults import (
     API_KEYS_ENV,
     API_KEYS_FILE_ENV,
     DEFAULT_HOST,
@@ -46,14 +46,14 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
     try:
         import uvicorn
 
-        from batcher.gateway.app import GatewayConfig, create_app
-        from batcher.gateway.auth import ApiKeys, check_bind
+        from rqbatcher.gateway.app import GatewayConfig, create_app
+        from rqbatcher.gateway.auth import ApiKeys, check_bind
     except ImportError as exc:
-        raise BatcherError(f"`batcher serve` needs the server extra (pip install 'batcher[server]'): {exc}") from None
-    from batcher.batches.file_store import FileLimits
-    from batcher.client import connect
-    from batcher.jobs import keys
-    from batcher.jobs.connection import connect_async
+        raise BatcherError(f"`batcher serve` needs the server extra (pip install 'rqbatcher[server]'): {exc}") from None
+    from rqbatcher.batches.file_store import FileLimits
+    from rqbatcher.client import connect
+    from rqbatcher.jobs import keys
+    from rqbatcher.jobs.connection import connect_async
 
     api_keys = ApiKeys.load(os.environ.get(API_KEYS_ENV), api_keys_file)
     check_bind(host, api_keys)

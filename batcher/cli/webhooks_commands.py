@@ -11,13 +11,13 @@ import json
 
 import click
 
-from batcher.cli.group import main
-from batcher.cli.options import json_option, redis_url_option
-from batcher.webhooks.event_payload import EVENT_TYPES
+from rqbatcher.cli.group import main
+from rqbatcher.cli.options import json_option, redis_url_option
+from rqbatcher.webhooks.event_payload import EVENT_TYPES
 
 
 def _connect(redis_url: str):
-    from batcher.client import connect
+    from rqbatcher.client import connect
 
     return connect(redis_url)
 
@@ -38,13 +38,13 @@ def webhooks():
               help="Let this endpoint reach loopback, private and link-local addresses (an operator's choice).")
 def add(redis_url, url, tenant, api_key, events, allow_private_addresses):
     """Add an endpoint and print its id and signing secret (shown this once)."""
-    from batcher.webhooks import endpoints
-    from batcher.webhooks.addresses import RefusedAddress, UnresolvedHost
+    from rqbatcher.webhooks import endpoints
+    from rqbatcher.webhooks.addresses import RefusedAddress, UnresolvedHost
 
     if tenant is not None and api_key is not None:
         raise click.UsageError("give --tenant or --api-key, not both")
     if api_key is not None:
-        from batcher.gateway.auth import tenant_of
+        from rqbatcher.gateway.auth import tenant_of
 
         tenant = tenant_of(api_key)
     try:
@@ -64,7 +64,7 @@ def add(redis_url, url, tenant, api_key, events, allow_private_addresses):
 @click.option("--no-tenant", is_flag=True, help="Only the endpoints of work of no tenant.")
 def list_endpoints(redis_url, as_json, tenant, no_tenant):
     """Endpoints (never their secrets)."""
-    from batcher.webhooks import endpoints
+    from rqbatcher.webhooks import endpoints
 
     connection = _connect(redis_url)
     if tenant is not None and no_tenant:
@@ -86,7 +86,7 @@ def list_endpoints(redis_url, as_json, tenant, no_tenant):
 @click.argument("endpoint_id")
 def remove(redis_url, endpoint_id):
     """Remove an endpoint; its deliveries still waiting send nothing."""
-    from batcher.webhooks import endpoints
+    from rqbatcher.webhooks import endpoints
 
     if not endpoints.remove(_connect(redis_url), endpoint_id):
         raise click.ClickException(f"no webhook endpoint {endpoint_id}")
@@ -99,6 +99,6 @@ def remove(redis_url, endpoint_id):
 def worker(redis_url, burst):
     """Deliver webhooks: an RQ worker on the `webhooks` queue with RQ's scheduler (retries), which also dispatches
     the outbox every second. Never a model worker; run several for more deliveries at once."""
-    from batcher.webhooks.delivery_worker import run
+    from rqbatcher.webhooks.delivery_worker import run
 
     run(lambda: _connect(redis_url), burst=burst)

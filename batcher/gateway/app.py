@@ -19,15 +19,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from batcher.batches.file_store import FileLimits, FileStore
-from batcher.client import DEFAULT_MAX_QUEUE_LENGTH, Client
-from batcher.gateway import batch_routes, completions, embedding_routes, file_routes, response_routes
-from batcher.gateway.auth import ApiKeys, AuthMiddleware
-from batcher.gateway.completions import served_models
-from batcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
-from batcher.gateway.error_objects import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
-from batcher.gateway.http_metrics import GatewayMetrics, MetricsMiddleware
-from batcher.jobs import keys
+from rqbatcher.batches.file_store import FileLimits, FileStore
+from rqbatcher.client import DEFAULT_MAX_QUEUE_LENGTH, Client
+from rqbatcher.gateway import batch_routes, completions, embedding_routes, file_routes, response_routes
+from rqbatcher.gateway.auth import ApiKeys, AuthMiddleware
+from rqbatcher.gateway.completions import served_models
+from rqbatcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
+from rqbatcher.gateway.error_objects import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
+from rqbatcher.gateway.http_metrics import GatewayMetrics, MetricsMiddleware
+from rqbatcher.jobs import keys
 
 MODEL_OWNER = "batcher"
 

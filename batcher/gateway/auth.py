@@ -20,9 +20,9 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from batcher.errors import BatcherError
-from batcher.gateway.defaults import API_KEYS_ENV
-from batcher.gateway.error_objects import ApiError
+from rqbatcher.errors import BatcherError
+from rqbatcher.gateway.defaults import API_KEYS_ENV
+from rqbatcher.gateway.error_objects import ApiError
 
 TENANT_PREFIX = "key-"
 TENANT_HASH_CHARS = 16

@@ -7,12 +7,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from batcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError, parse_output_expiry
-from batcher.batches.file_store import FileNotFound, FileStore
-from batcher.client import Client
-from batcher.gateway.body import read_json
-from batcher.gateway.error_objects import ApiError
-from batcher.openai.batch_endpoints import ENDPOINTS
+from rqbatcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError, parse_output_expiry
+from rqbatcher.batches.file_store import FileNotFound, FileStore
+from rqbatcher.client import Client
+from rqbatcher.gateway.body import read_json
+from rqbatcher.gateway.error_objects import ApiError
+from rqbatcher.openai.batch_endpoints import ENDPOINTS
 
 DEFAULT_LIST_LIMIT = 20  # OpenAI's page size and its bounds
 MAX_LIST_LIMIT = 100

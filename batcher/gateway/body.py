@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
 
-from batcher.gateway.error_objects import ApiError, too_large
+from rqbatcher.gateway.error_objects import ApiError, too_large
 
 DRAIN_LIMIT_BYTES = 64 * 2**20
 

@@ -30,14 +30,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from batcher.client import Client, JobFailed
-from batcher.gateway import job_streams
-from batcher.gateway.body import read_json
-from batcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError, error_body
-from batcher.jobs.admin import list_workers
-from batcher.jobs.worker_stats import WorkerStats
-from batcher.logit_bias import logit_bias_problem
-from batcher.openai.batch_lines import (
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.gateway import job_streams
+from rqbatcher.gateway.body import read_json
+from rqbatcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError, error_body
+from rqbatcher.jobs.admin import list_workers
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.logit_bias import logit_bias_problem
+from rqbatcher.openai.batch_lines import (
     CHAT_ID_PREFIX,
     CHAT_URL,
     COMPLETION_ID_PREFIX,
@@ -49,11 +49,11 @@ from batcher.openai.batch_lines import (
     response_body,
     usage_body,
 )
-from batcher.openai.logprob_objects import chat_logprobs, completion_logprobs
-from batcher.openai.service_tiers import TIER_OF_CLASS
-from batcher.schema import GenerationRequest, GenerationResult, TokenLogprob, Usage
-from batcher.service_class import class_of
-from batcher.tools.calls import CallDelta, CallReader
+from rqbatcher.openai.logprob_objects import chat_logprobs, completion_logprobs
+from rqbatcher.openai.service_tiers import TIER_OF_CLASS
+from rqbatcher.schema import GenerationRequest, GenerationResult, TokenLogprob, Usage
+from rqbatcher.service_class import class_of
+from rqbatcher.tools.calls import CallDelta, CallReader
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """POST /v1/embeddings: one prefill-only job per request (all its inputs), answered when it ends.
 
-The body is read and the answer built by `batcher.openai.embeddings_body`, as the endpoint's batch lines are. The
+The body is read and the answer built by `rqbatcher.openai.embeddings_body`, as the endpoint's batch lines are. The
 job is routed as a completion is (batcher/gateway/completions.py): 404 `model_not_found` unless a live worker
 serves the model. What the live workers publish is checked before anything is queued, since a job no worker can
 answer would otherwise fail only once a worker took it: 400 naming `model` when they do not embed, and 400 naming
@@ -14,14 +14,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from batcher.client import Client
-from batcher.gateway.body import read_json
-from batcher.gateway.completions import _live_workers, _result_when_ended, served_model_among
-from batcher.gateway.error_objects import ApiError
-from batcher.jobs.worker_stats import WorkerStats
-from batcher.openai.batch_lines import BodyError
-from batcher.openai.embeddings_body import embeddings_object, encoding_format_of, parse_embeddings_body
-from batcher.schema import GenerationRequest
+from rqbatcher.client import Client
+from rqbatcher.gateway.body import read_json
+from rqbatcher.gateway.completions import _live_workers, _result_when_ended, served_model_among
+from rqbatcher.gateway.error_objects import ApiError
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.embeddings_body import embeddings_object, encoding_format_of, parse_embeddings_body
+from rqbatcher.schema import GenerationRequest
 
 EMBED_TASK = "embed"  # in a worker's published `tasks`
 ANY_DIMENSIONS = "any"  # a worker's `matryoshka_dimensions` when it can shorten its vectors to any length

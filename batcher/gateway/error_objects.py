@@ -14,10 +14,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from batcher.batches.batch_object import BatchInputError, BatchNotFound
-from batcher.batches.file_store import FileNotFound, FileTooLarge
-from batcher.client import QueueFull
-from batcher.jobs.durability import NotReplicated
+from rqbatcher.batches.batch_object import BatchInputError, BatchNotFound
+from rqbatcher.batches.file_store import FileNotFound, FileTooLarge
+from rqbatcher.client import QueueFull
+from rqbatcher.jobs.durability import NotReplicated
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """/v1/files: batch input files uploaded into Redis as a stream, and every file's content streamed back.
 
 An upload (multipart/form-data, purpose `batch`) goes from the socket through python-multipart's streaming
-parser into `batcher.batches.file_store.FileUpload`, a chunk at a time: the gateway never holds a whole file. A batch's
+parser into `batches.file_store.FileUpload`, a chunk at a time: the gateway never holds a whole file. A batch's
 output and error files (`<batch id>_output`, `<batch id>_errors`) are rendered from the batch's lines in
 input order while they download (partial while the batch still runs).
 """
@@ -17,8 +17,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from batcher.batches.batch_object import Batch, batch_of_file
-from batcher.batches.file_store import (
+from rqbatcher.batches.batch_object import Batch, batch_of_file
+from rqbatcher.batches.file_store import (
     DEFAULT_FILE_RETENTION_S,
     MAX_FILE_RETENTION_S,
     MIN_FILE_RETENTION_S,
@@ -28,9 +28,9 @@ from batcher.batches.file_store import (
     FileStore,
     FileTooLarge,
 )
-from batcher.batches.store import BatchStore
-from batcher.gateway.body import BodyReader
-from batcher.gateway.error_objects import ApiError
+from rqbatcher.batches.store import BatchStore
+from rqbatcher.gateway.body import BodyReader
+from rqbatcher.gateway.error_objects import ApiError
 
 FORM_OVERHEAD_BYTES = 64 * 1024  # an upload's other fields and part headers, beyond the file's own limit
 MAX_FIELD_BYTES = 1024  # purpose, expires_after[...]: short values

@@ -1,7 +1,7 @@
 """Following a job from the gateway: its Redis stream read without blocking the event loop, and the text a
 client has already been sent when the job's worker is lost and another one starts it again.
 
-`events` reads a stream by the rule every reader follows (`batcher.jobs.stream.follow`), with redis.asyncio.
+`events` reads a stream by the rule every reader follows (`rqbatcher.jobs.stream.follow`), with redis.asyncio.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis as AsyncRedis
 from starlette.concurrency import run_in_threadpool
 
-from batcher.client import POLL_S, Client
-from batcher.jobs.redis_retry import retry_while_unreachable, retry_while_unreachable_async
-from batcher.jobs.stream import Read, read_events_async
-from batcher.schema import StreamEvent
+from rqbatcher.client import POLL_S, Client
+from rqbatcher.jobs.redis_retry import retry_while_unreachable, retry_while_unreachable_async
+from rqbatcher.jobs.stream import Read, read_events_async
+from rqbatcher.schema import StreamEvent
 
 OUTAGE_WAIT_S = 30.0  # longer than a Sentinel failover takes (seconds); past it the stream ends with an error
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 
-from batcher.gateway.job_streams import AttemptDiverged, TextRelay
-from batcher.openai.response_items import (
+from rqbatcher.gateway.job_streams import AttemptDiverged, TextRelay
+from rqbatcher.openai.response_items import (
     INCOMPLETE_FINISHES,
     call_item,
     call_item_id,
@@ -26,9 +26,9 @@ from batcher.openai.response_items import (
     message_item_id,
     text_part,
 )
-from batcher.openai.responses_body import RESPONSE_ID_PREFIX, finished_status, response_object
-from batcher.schema import GenerationRequest, GenerationResult, StreamEvent, Usage
-from batcher.tools.calls import CallDelta, CallReader
+from rqbatcher.openai.responses_body import RESPONSE_ID_PREFIX, finished_status, response_object
+from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent, Usage
+from rqbatcher.tools.calls import CallDelta, CallReader
 
 OUTPUT_INDEX_OF_TEXT = 0  # an answer is text (one message) or calls, never both
 

@@ -23,23 +23,23 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from batcher.client import Client, JobNotFound
-from batcher.gateway import job_streams
-from batcher.gateway.body import read_json
-from batcher.gateway.completions import EventStreamResponse, _cancel, _result_when_ended, _served_model
-from batcher.gateway.error_objects import ApiError
-from batcher.gateway.response_events import ResponseEvents, sse
-from batcher.openai.batch_lines import BodyError
-from batcher.openai.response_items import answer_messages, input_items
-from batcher.openai.responses_body import (
+from rqbatcher.client import Client, JobNotFound
+from rqbatcher.gateway import job_streams
+from rqbatcher.gateway.body import read_json
+from rqbatcher.gateway.completions import EventStreamResponse, _cancel, _result_when_ended, _served_model
+from rqbatcher.gateway.error_objects import ApiError
+from rqbatcher.gateway.response_events import ResponseEvents, sse
+from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.response_items import answer_messages, input_items
+from rqbatcher.openai.responses_body import (
     RESPONSE_ID_PREFIX,
     echo_fields,
     finished_status,
     parse_responses_body,
     response_object,
 )
-from batcher.responses.records import DEFAULT_RESPONSE_RETENTION_S, ResponseNotFound, ResponseRecord, ResponseRecords
-from batcher.schema import ChatMessage, GenerationRequest, GenerationResult
+from rqbatcher.responses.records import DEFAULT_RESPONSE_RETENTION_S, ResponseNotFound, ResponseRecord, ResponseRecords
+from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
 
 RESULT_WAIT_S = 30.0  # a finished job's result is recorded with its end; this only bounds a Redis hiccup
 JOB_STATUSES = {"queued": "queued", "deferred": "queued", "scheduled": "queued", "started": "in_progress",

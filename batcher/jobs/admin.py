@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass
 from redis import Redis
 from rq.suspension import is_suspended, resume, suspend
 
-from batcher.jobs import keys
-from batcher.jobs.queues import parse_queue
-from batcher.jobs.redis_text import as_text
-from batcher.jobs.rq_adapter import Queue, registry_counts, requeue_failed_jobs, rq_queue, shut_down_worker
-from batcher.jobs.worker_stats import WorkerStats
-from batcher.service_class import CLASSES, INTERACTIVE
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.queues import parse_queue
+from rqbatcher.jobs.redis_text import as_text
+from rqbatcher.jobs.rq_adapter import Queue, registry_counts, requeue_failed_jobs, rq_queue, shut_down_worker
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.service_class import CLASSES, INTERACTIVE
 
 __all__ = ["WorkerStats", "list_workers", "drain", "suspend_all", "resume_all", "queue_overview",
            "requeue_failed", "is_suspended"]

@@ -1,17 +1,17 @@
-"""The job contract: an RQ job names `batcher.jobs.generate` and carries one GenerationRequest as JSON.
+"""The job contract: an RQ job names `rqbatcher.jobs.generate` and carries one GenerationRequest as JSON.
 
 A producer enqueues `generate` with `GenerationRequest.model_dump(mode="json")` as its only
 argument and RQ's JSONSerializer. Only `batcher worker` runs these jobs, many at once on one model
-(`batcher.jobs.life` decodes a job and records its end).
+(`rqbatcher.jobs.life` decodes a job and records its end).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from batcher.schema import GenerationRequest
+from rqbatcher.schema import GenerationRequest
 
-JOB_FUNCTION = "batcher.jobs.generate"
+JOB_FUNCTION = "rqbatcher.jobs.generate"
 # A worker holds each job it runs on a lease this long, renewed by heartbeats; when a worker dies, its
 # jobs are run again by the survivors about this long later (workers/job_worker/leases.py).
 DEFAULT_LEASE_S = 10

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.exceptions import ResponseError
 
-from batcher.errors import BatcherError
+from rqbatcher.errors import BatcherError
 
 REPLICAS_ENV = "BATCHER_WAIT_REPLICAS"
 TIMEOUT_ENV = "BATCHER_WAIT_TIMEOUT_MS"

@@ -1,7 +1,7 @@
 """Requests become RQ jobs: on the right queue (the model's queue, the priority level), with the client's
 TTLs, under backpressure. The client and batch ingestion both enqueue through an `Enqueuer`.
 
-Jobs are plain RQ jobs (`batcher.jobs.generate`, JSON serializer), so rq's own tools see them too.
+Jobs are plain RQ jobs (`rqbatcher.jobs.generate`, JSON serializer), so rq's own tools see them too.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 
 from redis import Redis
 
-from batcher.errors import BatcherError
-from batcher.jobs import durability, keys
-from batcher.jobs.contract import JOB_FUNCTION, job_argument
-from batcher.jobs.fairness import note_on
-from batcher.jobs.queues import class_queue, parse_queue
-from batcher.jobs.rq_adapter import Job, Queue, rq_queue
-from batcher.schema import GenerationRequest
-from batcher.service_class import INTERACTIVE, class_of
+from rqbatcher.errors import BatcherError
+from rqbatcher.jobs import durability, keys
+from rqbatcher.jobs.contract import JOB_FUNCTION, job_argument
+from rqbatcher.jobs.fairness import note_on
+from rqbatcher.jobs.queues import class_queue, parse_queue
+from rqbatcher.jobs.rq_adapter import Job, Queue, rq_queue
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.service_class import INTERACTIVE, class_of
 
 DEFAULT_RESULT_TTL_S = 24 * 3600  # how long a result (and its stream) stays readable
 DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600  # how long a failure (its reason, its stream) stays readable
@@ -62,7 +62,7 @@ class Enqueuer:
         return [job.id for job in jobs]
 
     def confirm(self, jobs: list[Job], what: str) -> None:
-        """Return once a replica holds the jobs just enqueued (`batcher.jobs.durability`); raise NotReplicated if none
+        """Return once a replica holds the jobs just enqueued (`rqbatcher.jobs.durability`); raise NotReplicated if none
         does in time."""
         ids = [job.id for job in jobs]
         durability.confirm(self.connection, what, self.replica_wait, present=lambda: self._all_exist(ids))

@@ -33,10 +33,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from batcher.jobs import keys
-from batcher.jobs.queues import NO_TENANT, parse_queue, tenant_token
-from batcher.jobs.redis_text import as_text
-from batcher.service_class import BATCH, DEADLINE_BOOST_S
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.queues import NO_TENANT, parse_queue, tenant_token
+from rqbatcher.jobs.redis_text import as_text
+from rqbatcher.service_class import BATCH, DEADLINE_BOOST_S
 
 W_PROMPT = 1.0  # the paper's weights: a generated token costs about twice a prompt token
 W_GENERATED = 2.0

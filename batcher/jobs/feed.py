@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.exceptions import ResponseError
 
-from batcher.jobs.redis_text import as_text
+from rqbatcher.jobs.redis_text import as_text
 
 DEFAULT_CLAIM_IDLE_S = 60.0  # an entry unacknowledged this long belongs to a dead consumer
 DEFAULT_BLOCK_S = 1.0  # one blocking read; dead consumers' entries are looked for between reads

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from batcher.errors import InvalidName
+from rqbatcher.errors import InvalidName
 
 DEFAULT_QUEUE = "batcher"
 NUM_PRIORITIES = 10  # GenerationRequest.priority is 0 (most urgent) to 9

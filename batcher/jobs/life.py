@@ -8,7 +8,7 @@ runs:
 - the client that cancelled it while it was still queued.
 `record_end` queues RQ's side of the end (the Result and registries, or RQ's cancel for a job that never
 started), the terminal stream event where the caller has no fenced writer, the batch line, counts and
-completion-feed entries (`batcher.batches.lines`), and a background response's webhook event (on the outbox).
+completion-feed entries (`rqbatcher.batches.lines`), and a background response's webhook event (on the outbox).
 
 A cancel is recorded in Redis (`keys.cancel_key`) before RQ's stop-job command is sent, so it wins even where
 no worker hears the command: a worker checks it when it starts the job, each time it renews the job's lease,
@@ -24,11 +24,11 @@ from typing import Literal
 from pydantic import ValidationError
 from redis import Redis
 
-from batcher.batches.lines import record_outcome_on
-from batcher.jobs import durability, keys
-from batcher.jobs.contract import JOB_FUNCTION
-from batcher.jobs.fairness import forget_on
-from batcher.jobs.rq_adapter import (
+from rqbatcher.batches.lines import record_outcome_on
+from rqbatcher.jobs import durability, keys
+from rqbatcher.jobs.contract import JOB_FUNCTION
+from rqbatcher.jobs.fairness import forget_on
+from rqbatcher.jobs.rq_adapter import (
     BaseJobWorker,
     DeserializationError,
     Execution,
@@ -41,9 +41,9 @@ from batcher.jobs.rq_adapter import (
     rq_queue,
     stop_job,
 )
-from batcher.jobs.stream import append_event
-from batcher.openai.batch_lines import readable
-from batcher.schema import GenerationRequest, GenerationResult, StreamEvent
+from rqbatcher.jobs.stream import append_event
+from rqbatcher.openai.batch_lines import readable
+from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent
 
 # RQ's statuses of a job that has ended: nothing will run it again, and its end is recorded.
 TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)

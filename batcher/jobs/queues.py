@@ -6,7 +6,7 @@ model queue), so jobs stay visible to `rq info` and keep every guarantee of docs
 - priority: `routed.priority` and `routed.priority.pN`;
 - batch: one queue per tenant, `routed.batch-<tenant>` (`routed.batch` without one), and `.pN` levels.
 The batch queues of a base are many, so they are registered (`keys.class_queues_key`) for workers and
-`batcher queues` to find. Between tenants the worker picks fairly (`batcher.jobs.fairness`).
+`batcher queues` to find. Between tenants the worker picks fairly (`rqbatcher.jobs.fairness`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from batcher.jobs import keys
-from batcher.service_class import BATCH, CLASSES, INTERACTIVE, PRIORITY, RANK
+from rqbatcher.jobs import keys
+from rqbatcher.service_class import BATCH, CLASSES, INTERACTIVE, PRIORITY, RANK
 
 TENANT_TOKEN_CHARS = 40  # a tenant's part of a queue name; longer (or odd) tenants get a slug and a hash
 TENANT_HASH_CHARS = 8

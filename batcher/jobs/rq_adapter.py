@@ -31,7 +31,7 @@ from rq.suspension import WORKERS_SUSPENDED
 from rq.utils import get_version, now
 from rq.worker import BaseWorker, WorkerStatus
 
-from batcher.jobs.redis_text import as_text
+from rqbatcher.jobs.redis_text import as_text
 
 # The worker's modules take RQ's public names from here too, so that they never import rq themselves.
 __all__ = ["BaseJobWorker", "DeserializationError", "Execution", "InvalidJobOperation", "Job", "JobStatus",
@@ -63,7 +63,7 @@ def pin_server_version(connection: Redis, version: tuple[int, int, int]) -> None
 class BaseJobWorker(BaseWorker):
     """The RQ side of a worker with many jobs in flight: reliable dequeue, one Execution per job, result
     recording through RQ's handlers one job at a time, leases in the started registries, maintenance under
-    a short lock, and RQ's commands. `workers.job_worker.worker.JobWorker` builds its loop on these."""
+    a short lock, and RQ's commands. `rqbatcher.workers.job_worker.worker.JobWorker` builds its loop on these."""
 
     def __init__(self, queues: list[str], *, connection: Redis, name: str | None, lease_s: int,
                  maintenance_interval: int) -> None:

@@ -1,7 +1,7 @@
 """A job's token stream as Redis holds it: the rule its readers follow, and the writers outside the worker's
 own buffered writer.
 
-Workers write a job's events through `workers.job_worker.stream_writer.StreamWriter` (buffered, fenced by the
+Workers write a job's events through `rqbatcher.workers.job_worker.stream_writer.StreamWriter` (buffered, fenced by the
 job's lease, each event once). When an execution is gone, someone else writes its stream's end: the worker that
 recovered the job (cancelled or failed meanwhile), or the client that cancelled it while it was queued.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
 
-from batcher.jobs import keys
-from batcher.sampling_params import MAX_TOKENS_LIMIT
-from batcher.schema import StreamEvent
+from rqbatcher.jobs import keys
+from rqbatcher.sampling_params import MAX_TOKENS_LIMIT
+from rqbatcher.schema import StreamEvent
 
 # Room for every token of the longest generation plus its other events; trimming only bounds
 # what a misbehaving writer could add.

@@ -1,7 +1,7 @@
 """The figures a worker publishes with every heartbeat, and `batcher workers` reads: one contract, both sides.
 
 The worker writes `WorkerStats.to_dict()` to `keys.worker_stats_key(name)` (expiring when it dies) and adds its
-name to `keys.WORKERS_SET`; `batcher.jobs.admin.list_workers` reads them back with `WorkerStats.from_hash`.
+name to `keys.WORKERS_SET`; `rqbatcher.jobs.admin.list_workers` reads them back with `WorkerStats.from_hash`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Literal
 
-from batcher.jobs.redis_text import as_text
+from rqbatcher.jobs.redis_text import as_text
 
 WorkerState = Literal["idle", "busy", "suspended", "draining"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batcher.openai.batch_lines import (
+from rqbatcher.openai.batch_lines import (
     CHAT_URL,
     COMPLETIONS_URL,
     parse_batch_line,
@@ -15,23 +15,23 @@ from batcher.openai.batch_lines import (
     response_body,
     success_line,
 )
-from batcher.openai.embeddings_body import (
+from rqbatcher.openai.embeddings_body import (
     DEFAULT_ENCODING_FORMAT,
     EMBEDDINGS_URL,
     embeddings_object,
     encoding_format_of,
     parse_embeddings_body,
 )
-from batcher.openai.responses_body import (
+from rqbatcher.openai.responses_body import (
     RESPONSE_ID_PREFIX,
     RESPONSES_URL,
     finished_status,
     parse_responses_body,
     response_object,
 )
-from batcher.openai.service_tiers import TIER_OF_CLASS
-from batcher.schema import GenerationRequest, GenerationResult
-from batcher.service_class import BATCH
+from rqbatcher.openai.service_tiers import TIER_OF_CLASS
+from rqbatcher.schema import GenerationRequest, GenerationResult
+from rqbatcher.service_class import BATCH
 
 ENDPOINTS = (COMPLETIONS_URL, CHAT_URL, RESPONSES_URL, EMBEDDINGS_URL)
 

@@ -17,12 +17,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from batcher.constraints import InvalidConstraint
-from batcher.openai.logprob_objects import LogprobsError, chat_logprobs, completion_logprobs, requested
-from batcher.openai.service_tiers import SERVICE_TIERS, TIER_OF_CLASS
-from batcher.schema import Choice, GenerationRequest, GenerationResult, Usage
-from batcher.service_class import BATCH
-from batcher.tools.calls import read_answer
+from rqbatcher.constraints import InvalidConstraint
+from rqbatcher.openai.logprob_objects import LogprobsError, chat_logprobs, completion_logprobs, requested
+from rqbatcher.openai.service_tiers import SERVICE_TIERS, TIER_OF_CLASS
+from rqbatcher.schema import Choice, GenerationRequest, GenerationResult, Usage
+from rqbatcher.service_class import BATCH
+from rqbatcher.tools.calls import read_answer
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"

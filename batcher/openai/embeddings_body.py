@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from batcher.openai.batch_lines import BodyError, readable
-from batcher.schema import MAX_EMBED_INPUTS, GenerationRequest, GenerationResult
+from rqbatcher.openai.batch_lines import BodyError, readable
+from rqbatcher.schema import MAX_EMBED_INPUTS, GenerationRequest, GenerationResult
 
 EMBEDDINGS_URL = "/v1/embeddings"
 ENCODING_FORMATS = ("float", "base64")

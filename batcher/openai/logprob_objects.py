@@ -1,4 +1,4 @@
-"""Logprobs in OpenAI's shapes, from batcher's `TokenLogprob`s (what the numbers mean: batcher.schema).
+"""Logprobs in OpenAI's shapes, from batcher's `TokenLogprob`s (what the numbers mean: rqbatcher.schema).
 
 Chat: `logprobs: true` and `top_logprobs` (0-20) in the body; a choice's `logprobs` is
 `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}`.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batcher.sampling_params import MAX_TOP_LOGPROBS
-from batcher.schema import TokenLogprob
+from rqbatcher.sampling_params import MAX_TOP_LOGPROBS
+from rqbatcher.schema import TokenLogprob
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's limit
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from batcher.openai.batch_lines import BodyError
-from batcher.schema import ChatMessage, GenerationRequest, GenerationResult
-from batcher.tools.calls import CALL_ID_PREFIX, read_answer
-from batcher.tools.definitions import NamedToolChoice
+from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
+from rqbatcher.tools.calls import CALL_ID_PREFIX, read_answer
+from rqbatcher.tools.definitions import NamedToolChoice
 
 INPUT = "input"  # the field named by a fault in an input item
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}

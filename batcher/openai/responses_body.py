@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batcher.openai.batch_lines import BodyError, openai_metadata, service_class_of, validated
-from batcher.openai.response_items import (
+from rqbatcher.openai.batch_lines import BodyError, openai_metadata, service_class_of, validated
+from rqbatcher.openai.response_items import (
     INCOMPLETE_FINISHES,
     chat_response_format,
     chat_tool_choice,
@@ -24,9 +24,9 @@ from batcher.openai.response_items import (
     tool_choice_echo,
     tools_echo,
 )
-from batcher.openai.service_tiers import TIER_OF_CLASS
-from batcher.schema import ChatMessage, GenerationRequest, GenerationResult, Usage
-from batcher.service_class import class_of
+from rqbatcher.openai.service_tiers import TIER_OF_CLASS
+from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult, Usage
+from rqbatcher.service_class import class_of
 
 RESPONSES_URL = "/v1/responses"
 RESPONSE_ID_PREFIX = "resp_"  # a response's id is the prefix and its job's id

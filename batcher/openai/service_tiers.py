@@ -1,6 +1,6 @@
 """OpenAI's `service_tier` values, and the service class each one runs in; an answer echoes the tier of its class."""
 
-from batcher.service_class import BATCH, INTERACTIVE, PRIORITY
+from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY
 
 SERVICE_TIERS = {"auto": INTERACTIVE, "default": INTERACTIVE, "flex": BATCH, "priority": PRIORITY}
 TIER_OF_CLASS = {PRIORITY: "priority", INTERACTIVE: "default", BATCH: "flex"}

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 from redis import Redis
 
-from batcher.errors import BatcherError, InvalidName
-from batcher.jobs import keys
-from batcher.openai.responses_body import RESPONSE_ID_PREFIX
-from batcher.schema import ChatMessage, GenerationRequest
+from rqbatcher.errors import BatcherError, InvalidName
+from rqbatcher.jobs import keys
+from rqbatcher.openai.responses_body import RESPONSE_ID_PREFIX
+from rqbatcher.schema import ChatMessage, GenerationRequest
 
 DEFAULT_RESPONSE_RETENTION_S = 30 * 24 * 3600  # as OpenAI keeps stored responses
 

@@ -1,7 +1,7 @@
 """Preemption for urgency: which running sequence gives way to a more urgent waiting one, and which waiting
-sequence is admitted next (pure Python, used by `batcher.scheduler`).
+sequence is admitted next (pure Python, used by `rqbatcher.scheduler`).
 
-A sequence's `urgency` is (class rank, priority level), lower first (`batcher.service_class.urgency_of`). When a
+A sequence's `urgency` is (class rank, priority level), lower first (`rqbatcher.service_class.urgency_of`). When a
 waiting sequence of a more urgent class finds no slot or KV block free, the least urgent running sequence of a
 less urgent class is preempted by recompute: its blocks are released, the full ones keep their place in the
 prefix cache, and it resumes (to the same tokens) when room comes back. Only a difference of class preempts;
@@ -25,7 +25,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
-from batcher.service_class import BATCH, INTERACTIVE, RANK
+from rqbatcher.service_class import BATCH, INTERACTIVE, RANK
 
 BATCH_RANK = RANK[BATCH]
 FAIRNESS_INTERVAL_STEPS = 64  # steps between two fairness preemptions of one sequence, at least

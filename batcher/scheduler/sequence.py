@@ -1,8 +1,8 @@
 """A sequence: one request inside the engine, with its tokens, progress, KV blocks and times.
 
-The scheduler (`batcher.scheduler`) is the only writer of a sequence's fields: it admits, advances, preempts and
+The scheduler (`rqbatcher.scheduler`) is the only writer of a sequence's fields: it admits, advances, preempts and
 finishes sequences. Everything outside the engine sees a request through the plain outputs and snapshots the
-engine returns (`workers.engine.api`), never a live sequence.
+engine returns (`rqbatcher.workers.engine.api`), never a live sequence.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import enum
 import time
 from dataclasses import InitVar, dataclass, field
 
-from batcher.schema import SamplingParams
-from batcher.service_class import INTERACTIVE, RANK
+from rqbatcher.schema import SamplingParams
+from rqbatcher.service_class import INTERACTIVE, RANK
 
 
 class SequenceStatus(enum.Enum):

@@ -17,7 +17,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from batcher.tools.grammar import ARGUMENTS_CLOSE, ARGUMENTS_OPEN, CALL_CLOSE, CALL_OPEN, NAME_OPEN
+from rqbatcher.tools.grammar import ARGUMENTS_CLOSE, ARGUMENTS_OPEN, CALL_CLOSE, CALL_OPEN, NAME_OPEN
 
 CALL_ID_PREFIX = "call_"
 CALL_ID_DIGEST_CHARS = 24

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from batcher import constraints
+from rqbatcher import constraints
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOL_NAME_CHARS = 64

@@ -24,8 +24,8 @@ import json
 
 import llguidance
 
-from batcher import constraints
-from batcher.tools.definitions import NamedToolChoice, Tool, ToolChoice
+from rqbatcher import constraints
+from rqbatcher.tools.definitions import NamedToolChoice, Tool, ToolChoice
 
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"

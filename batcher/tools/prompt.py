@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 
-from batcher.schema import ChatMessage, GenerationRequest
-from batcher.tools.definitions import Tool, effective_choice
-from batcher.tools.grammar import call_text
+from rqbatcher.schema import ChatMessage, GenerationRequest
+from rqbatcher.tools.definitions import Tool, effective_choice
+from rqbatcher.tools.grammar import call_text
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 FALLBACK_PROMPT = """You can call functions to answer. Here they are, each as a JSON object:

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from batcher.errors import BatcherError
+from rqbatcher.errors import BatcherError
 
 DEFAULT_PORTS = {"http": 80, "https": 443}  # the schemes a webhook URL may have
 

@@ -13,12 +13,12 @@ import logging
 
 from rq import Retry, get_current_job
 
-from batcher.errors import BatcherError
-from batcher.webhooks import endpoints
-from batcher.webhooks.addresses import RefusedAddress, resolve
-from batcher.webhooks.event_payload import encode
-from batcher.webhooks.pinned_http import post
-from batcher.webhooks.signing import signed_headers
+from rqbatcher.errors import BatcherError
+from rqbatcher.webhooks import endpoints
+from rqbatcher.webhooks.addresses import RefusedAddress, resolve
+from rqbatcher.webhooks.event_payload import encode
+from rqbatcher.webhooks.pinned_http import post
+from rqbatcher.webhooks.signing import signed_headers
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from redis import Redis
 from rq import Worker
 from rq.serializers import JSONSerializer
 
-from batcher.webhooks.delivery import DELIVERY_QUEUE
-from batcher.webhooks.outbox import dispatch
+from rqbatcher.webhooks.delivery import DELIVERY_QUEUE
+from rqbatcher.webhooks.outbox import dispatch
 
 log = logging.getLogger(__name__)
 

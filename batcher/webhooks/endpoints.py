@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 
 from redis import Redis
 
-from batcher.jobs import keys
-from batcher.webhooks.addresses import resolve
-from batcher.webhooks.event_payload import EVENT_TYPES
-from batcher.webhooks.signing import new_secret
+from rqbatcher.jobs import keys
+from rqbatcher.webhooks.addresses import resolve
+from rqbatcher.webhooks.event_payload import EVENT_TYPES
+from rqbatcher.webhooks.signing import new_secret
 
 ENDPOINT_ID_HEX_CHARS = 24
 MAX_URL_CHARS = 2048

@@ -19,9 +19,9 @@ from rq import Queue
 from rq.exceptions import DuplicateJobError
 from rq.serializers import JSONSerializer
 
-from batcher.jobs import keys
-from batcher.webhooks import endpoints
-from batcher.webhooks.delivery import (
+from rqbatcher.jobs import keys
+from rqbatcher.webhooks import endpoints
+from rqbatcher.webhooks.delivery import (
     DELIVERY_FAILURE_TTL_S,
     DELIVERY_QUEUE,
     DELIVERY_RESULT_TTL_S,
@@ -30,7 +30,7 @@ from batcher.webhooks.delivery import (
     delivery_job_id,
     retry_policy,
 )
-from batcher.webhooks.event_payload import from_outbox_entry
+from rqbatcher.webhooks.event_payload import from_outbox_entry
 
 log = logging.getLogger(__name__)
 

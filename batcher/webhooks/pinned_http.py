@@ -8,7 +8,7 @@ import http.client
 import socket
 import ssl
 
-from batcher.webhooks.addresses import Target
+from rqbatcher.webhooks.addresses import Target
 
 MAX_ANSWER_BYTES = 4096
 

@@ -41,6 +41,6 @@ def dockerfile_stages() -> list[str]:
 
 
 def serve_flags() -> set[str]:
-    from batcher.cli.serve_commands import serve
+    from rqbatcher.cli.serve_commands import serve
 
     return {opt for param in serve.params for opt in param.opts}

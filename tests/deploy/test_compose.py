@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from batcher.jobs.keys import DEFAULT_QUEUE
+from rqbatcher.jobs.keys import DEFAULT_QUEUE
 from tests.deploy.deploy_files import (
     COMPOSE_FILE,
     GATEWAY_DNS_NAME,
@@ -104,7 +104,7 @@ def test_compose_builds_stages_that_exist_and_mounts_files_that_exist(compose):
 
 
 def test_compose_ha_profile_adds_a_replica_three_sentinels_and_a_pool_that_follows_the_primary(compose):
-    from batcher.jobs.connection import parse_sentinel_url
+    from rqbatcher.jobs.connection import parse_sentinel_url
 
     services = compose["services"]
     assert all(services[name]["profiles"] == ["ha"] for name in HA_SERVICES)

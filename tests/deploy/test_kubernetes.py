@@ -6,7 +6,7 @@ import re
 
 from rq import Queue
 
-from batcher.jobs.keys import priority_queue_names
+from rqbatcher.jobs.keys import priority_queue_names
 from tests.deploy.deploy_files import DEPLOY, GATEWAY_DNS_NAME, MIN_GRACE_S, WORKER_DNS_NAME, flag, serve_flags
 
 

@@ -8,10 +8,10 @@ import re
 import yaml
 from prometheus_client import CollectorRegistry
 
-from batcher.jobs.keys import DEFAULT_QUEUE
+from rqbatcher.jobs.keys import DEFAULT_QUEUE
+from rqbatcher.workers.job_worker.engine_metrics import EngineMetrics
 from tests.deploy.deploy_files import DEPLOY, WORKER_DNS_NAME
 from tests.fake_engine import FakeEngine
-from workers.job_worker.engine_metrics import EngineMetrics
 
 
 def test_prometheus_finds_workers_by_their_shared_dns_name(scrape_job, compose, k8s):

@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher.cli import main
-from batcher.client import Client
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.cli import main
+from rqbatcher.client import Client
+from rqbatcher.schema import GenerationRequest, SamplingParams
 from tests.e2e.test_workers import WORKER_READY_S
 from tests.jobs_support import wait_for
 
@@ -64,7 +64,7 @@ def worker(e2e_redis, tiny_model_dir, tmp_path_factory):
     url, connection = e2e_redis
     name, port = f"ops-{uuid.uuid4().hex[:8]}", free_port()
     log = tmp_path_factory.mktemp("ops") / "worker.log"
-    command = [sys.executable, "-m", "batcher", "worker", "--redis-url", url, "--queue", QUEUE,
+    command = [sys.executable, "-m", "rqbatcher", "worker", "--redis-url", url, "--queue", QUEUE,
                "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--num-blocks", "512",
                "--max-num-seqs", "8", "--lease", "3", "--name", name, "--metrics-port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

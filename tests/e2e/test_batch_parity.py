@@ -16,8 +16,8 @@ from openai import OpenAI
 from openai.types import CreateEmbeddingResponse
 from openai.types.responses import Response
 
-from batcher.jobs import keys
-from batcher.jobs.admin import list_workers
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.admin import list_workers
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
 from tests.reliability.support import free_port
@@ -39,7 +39,7 @@ def server(e2e_redis, tiny_model_dir, tmp_path_factory):
     name, worker = start_worker(url, tiny_model_dir("llama"), QUEUE, logs / "worker.log", 8,
                                 "--served-model-name", MODEL, "--task", "generate", "--task", "embed")
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    gateway = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                 "--queue", QUEUE], stdout=subprocess.DEVNULL, stderr=(logs / "gateway.log").open("w"))
     sdk = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     try:

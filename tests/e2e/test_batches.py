@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher.cli import main
-from batcher.client import Client
-from batcher.jobs import keys
+from rqbatcher.cli import main
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
 
@@ -113,7 +113,7 @@ def test_fifty_jobs_with_five_bad_lines_count_exactly_and_two_consumers_share_th
 
     # A consumer killed before its acknowledgement: its entry goes to another consumer of the group.
     dying = subprocess.run(
-        [sys.executable, "-c", "import os, signal, sys; from batcher.client import Client; "
+        [sys.executable, "-c", "import os, signal, sys; from rqbatcher.client import Client; "
          f"c = next(Client({url!r}, queue={QUEUE!r}).completions('late', 'dying', batch_id={batch.id!r})); "
          "print(c.custom_id, flush=True); os.kill(os.getpid(), signal.SIGKILL)"],
         capture_output=True, text=True, timeout=60)

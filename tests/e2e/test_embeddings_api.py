@@ -20,15 +20,15 @@ import pytest
 from langchain_openai import OpenAIEmbeddings
 from openai import OpenAI
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.admin import list_workers
-from batcher.jobs.worker_stats import WorkerStats
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.admin import list_workers
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.workers.bench.letter_engine import EMBEDDING_SIZE, letter_vector
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
 from tests.reliability.support import free_port
 from tests.tiny_models import build_embedding_model
-from workers.bench.letter_engine import EMBEDDING_SIZE, letter_vector
 
 pytestmark = pytest.mark.timeout(300)
 QUEUE = "embeddings"
@@ -40,11 +40,11 @@ TEXTS = ["Queues carry jobs.", "Streams carry tokens."]
 # Two workers in one process, each with a fake engine in a thread of its own (no signal handlers off the main one)
 FAKE_WORKERS = """
 import sys, threading
-from batcher.client import connect
-from batcher.jobs import keys
+from rqbatcher.client import connect
+from rqbatcher.jobs import keys
 from tests.fake_engine import FakeEngine
-from workers.bench.letter_engine import LetterEngine
-from workers.job_worker.worker import JobWorker
+from rqbatcher.workers.bench.letter_engine import LetterEngine
+from rqbatcher.workers.job_worker.worker import JobWorker
 url, queue, embedder, writer = sys.argv[1:]
 for name, engine in ((embedder, FakeEngine()), (writer, LetterEngine(name=writer))):
     worker = JobWorker(keys.priority_queue_names([queue], model=name), engine, connection=connect(url),
@@ -65,7 +65,7 @@ def server(e2e_redis, tmp_path_factory):
     fakes = subprocess.Popen([sys.executable, "-c", FAKE_WORKERS, url, QUEUE, EMBEDDER, WRITER],
                              stdout=subprocess.DEVNULL, stderr=(logs / "fakes.log").open("w"))
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    gateway = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                 "--queue", QUEUE], stdout=subprocess.DEVNULL, stderr=(logs / "gateway.log").open("w"))
     base = f"http://127.0.0.1:{port}/v1"
     try:

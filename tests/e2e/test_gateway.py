@@ -19,8 +19,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from batcher.client import Client
-from batcher.jobs.admin import list_workers
+from rqbatcher.client import Client
+from rqbatcher.jobs.admin import list_workers
 from tests.e2e.test_batches import batch_jobs_running
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
@@ -67,7 +67,7 @@ def gateway(e2e_redis, tiny_model_dir, tmp_path_factory, workers):
     logs = tmp_path_factory.mktemp("gw")
     port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
-    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                "--queue", QUEUE, "--max-file-bytes", str(MAX_FILE_BYTES)],
                               env=env, stdout=subprocess.DEVNULL, stderr=(logs / "gateway.log").open("w"))
     base = f"http://127.0.0.1:{port}"

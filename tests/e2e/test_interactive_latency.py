@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher.scheduler.step_budget import QUIET_S
+from rqbatcher.scheduler.step_budget import QUIET_S
 from tests.e2e.test_urgency import completed, create_batch, sdk, wait_done
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.engine_helpers import random_prompts
@@ -40,7 +40,7 @@ def pool(e2e_redis, tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("lat")
     port, metrics_port = free_port(), free_port()
     env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
-    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                "--queue", QUEUE], env=env, stdout=subprocess.DEVNULL,
                               stderr=(logs / "gateway.log").open("w"))
     name, worker = start_worker(url, tiny_model_dir("llama"), QUEUE, logs / "worker.log", SLOTS,

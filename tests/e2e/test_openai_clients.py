@@ -20,8 +20,8 @@ from langchain_openai import ChatOpenAI
 from openai import OpenAI
 from pydantic import BaseModel
 
-from batcher.client import Client
-from batcher.jobs.admin import list_workers
+from rqbatcher.client import Client
+from rqbatcher.jobs.admin import list_workers
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
 from tests.reliability.support import free_port
@@ -50,7 +50,7 @@ def server(e2e_redis, tmp_path_factory):
     model_dir = build_tool_model(tmp_path_factory.mktemp("tool-model"))
     name, worker = start_worker(url, model_dir, QUEUE, logs / "worker.log", 8, "--served-model-name", MODEL)
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    gateway = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                 "--queue", QUEUE], stdout=subprocess.DEVNULL, stderr=(logs / "gateway.log").open("w"))
     base = f"http://127.0.0.1:{port}/v1"
     try:
@@ -161,7 +161,7 @@ def test_the_modern_sampling_fields_are_honoured_and_metadata_and_user_stay_with
         presence_penalty=-0.5, logit_bias={"7": 5}, metadata={"team": "search", "run": "e2e"}, user="user-42",
         store=False, extra_body={"ignore_eos": True})
     assert [c.index for c in answer.choices] == [0, 1] and answer.usage.completion_tokens == 12
-    shown = subprocess.run([sys.executable, "-m", "batcher", "status", "--redis-url", url,
+    shown = subprocess.run([sys.executable, "-m", "rqbatcher", "status", "--redis-url", url,
                             answer.id.removeprefix("chatcmpl-")], capture_output=True, text=True, check=True).stdout
     assert "user: user-42" in shown and "'team': 'search'" in shown
     banned = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, logprobs=True,

@@ -18,10 +18,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from batcher.client import Client
-from batcher.jobs.admin import list_workers
-from batcher.jobs.keys import stream_key
-from batcher.schema import StreamEvent
+from rqbatcher.client import Client
+from rqbatcher.jobs.admin import list_workers
+from rqbatcher.jobs.keys import stream_key
+from rqbatcher.schema import StreamEvent
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
 from tests.reliability.support import free_port
@@ -72,7 +72,7 @@ def gateway(e2e_redis, tool_model, tmp_path_factory, workers):
     logs = tmp_path_factory.mktemp("resp")
     port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
-    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                "--queue", QUEUE], env=env, stdout=subprocess.DEVNULL,
                               stderr=(logs / "gateway.log").open("w"))
     a, b = (OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0) for key in (KEY_A, KEY_B))

@@ -23,8 +23,8 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
 
-from batcher.gateway.job_streams import OUTAGE_WAIT_S
-from batcher.jobs import keys
+from rqbatcher.gateway.job_streams import OUTAGE_WAIT_S
+from rqbatcher.jobs import keys
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.engine_helpers import random_prompts, reference_tokens
 from tests.jobs_support import wait_for
@@ -49,7 +49,7 @@ def pool(e2e_redis, tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("urg")
     port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
-    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                "--queue", QUEUE], env=env, stdout=subprocess.DEVNULL,
                               stderr=(logs / "gateway.log").open("w"))
     workers, metrics = {}, {}
@@ -174,7 +174,7 @@ def test_interactive_requests_are_fair_between_tenants(pool, e2e_redis):
     _, connection = e2e_redis
     flood = 12 * SLOTS  # six rounds of both workers' slots
     queue = Queue(keys.model_queue(QUEUE, MODEL), connection=connection, serializer=JSONSerializer)
-    jobs = queue.enqueue_many([Queue.prepare_data("batcher.jobs.generate", args=(
+    jobs = queue.enqueue_many([Queue.prepare_data("rqbatcher.jobs.generate", args=(
         {"prompt_token_ids": PROMPTS[1], "sampling": {"max_tokens": TOKENS, "ignore_eos": True}},))
         for _ in range(flood)])
     b = sdk(base, KEY_B)

@@ -24,9 +24,9 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.schema import GenerationRequest, SamplingParams
 from tests.jobs_support import continued_text, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,7 +38,7 @@ RECOVERY_S = 30
 def start_worker(url: str, model_dir: Path, queue: str, log_path: Path,
                  max_num_seqs: int, *extra: str) -> tuple[str, subprocess.Popen]:
     name = f"e2e-{uuid.uuid4().hex[:8]}"
-    command = [sys.executable, "-m", "batcher", "worker", "--redis-url", url, "--queue", queue,
+    command = [sys.executable, "-m", "rqbatcher", "worker", "--redis-url", url, "--queue", queue,
                "--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--num-blocks", "512",
                "--max-num-seqs", str(max_num_seqs), "--lease", str(LEASE_S), "--name", name, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -87,7 +87,7 @@ def test_twenty_jobs_from_another_process_equal_generate_alone(serving, tmp_path
         lines.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body})
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    submitted = subprocess.run([sys.executable, "-m", "batcher", "submit", "--redis-url", url, "--queue", "e2e",
+    submitted = subprocess.run([sys.executable, "-m", "rqbatcher", "submit", "--redis-url", url, "--queue", "e2e",
                                 "--file", str(batch), "--follow"], capture_output=True, text=True, timeout=240)
     assert submitted.returncode == 0, submitted.stderr
     out = {o["custom_id"]: o for o in map(json.loads, submitted.stdout.splitlines()[1:])}

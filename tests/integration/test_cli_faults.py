@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from batcher.cli import main
+from rqbatcher.cli import main
 from tests.reliability.support import RedisServer, free_port
 
 UNKNOWN_JOB = "no-such-job"

@@ -17,15 +17,15 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client, JobFailed
-from batcher.config import EngineConfig
-from batcher.jobs import keys
-from batcher.jobs.life import PICKLED_JOB_REASON
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.config import EngineConfig
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.life import PICKLED_JOB_REASON
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.api import RequestError
+from rqbatcher.workers.engine.engine import build_engine
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
-from workers.engine.api import RequestError
-from workers.engine.engine import build_engine
-from workers.job_worker.worker import JobWorker
 
 pytestmark = [pytest.mark.usefixtures("keep_signal_handlers"), pytest.mark.timeout(300)]
 Q = "it"
@@ -191,7 +191,7 @@ def test_bad_jobs_fail_alone_on_the_real_engine(redis_url, tiny_model_dir):
         client.submit(greedy(4, prompt_token_ids=[5] * 600)): "the prompt has 600 tokens",
         client.submit(greedy(4, prompt_token_ids=[1, 1000])): "token id 1000 is outside the vocabulary",
         client.submit(greedy(4, prompt_token_ids=[7, 7, 7, 8])): "generation failed: RuntimeError: kernel fault",
-        Queue(Q, connection=connection).enqueue("batcher.jobs.generate", {"prompt": "hi"}).id: PICKLED_JOB_REASON,
+        Queue(Q, connection=connection).enqueue("rqbatcher.jobs.generate", {"prompt": "hi"}).id: PICKLED_JOB_REASON,
     }
     good = client.submit_many([greedy(6, prompt="The quick brown fox"), greedy(5, prompt_token_ids=[3, 4, 5])])
     make_worker(redis_url, engine).work(burst=True)

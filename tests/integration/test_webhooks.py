@@ -22,16 +22,16 @@ from rq import SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher.cli import main
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.webhooks import addresses, delivery, endpoints, pinned_http
-from batcher.webhooks.delivery import DELIVERY_QUEUE, delivery_job_id
-from batcher.webhooks.event_payload import event_id
-from batcher.webhooks.outbox import dispatch
+from rqbatcher.cli import main
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.webhooks import addresses, delivery, endpoints, pinned_http
+from rqbatcher.webhooks.delivery import DELIVERY_QUEUE, delivery_job_id
+from rqbatcher.webhooks.event_payload import event_id
+from rqbatcher.webhooks.outbox import dispatch
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.fake_engine import FakeEngine
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
-from workers.job_worker.worker import JobWorker
 
 pytestmark = [pytest.mark.usefixtures("keep_signal_handlers"), pytest.mark.timeout(120)]
 TENANT = "key-0123456789abcdef"
@@ -219,7 +219,8 @@ def test_a_batch_end_delivers_a_signed_batch_completed_webhook(connection, redis
 def test_the_webhooks_worker_command_dispatches_and_delivers(connection, redis_url, receiver):
     hook = endpoints.add(connection, receiver.base + "/ok", allow_private_addresses=True)
     evt = announce(connection, subject="resp_abc", event_type="response.incomplete", tenant=None)
-    done = subprocess.run([sys.executable, "-m", "batcher", "webhooks", "worker", "--burst", "--redis-url", redis_url],
+    done = subprocess.run([sys.executable, "-m", "rqbatcher", "webhooks", "worker", "--burst",
+                           "--redis-url", redis_url],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     [(_, headers, body)] = receiver.received

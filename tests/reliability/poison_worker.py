@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-import workers.model.loading
+import rqbatcher.workers.model.loading
 
 POISON_IDS = (381, 382, 383, 381, 382, 383)  # the test prompts use ids 3..380, so nothing else trips it
-_load_model = workers.model.loading.load_model
+_load_model = rqbatcher.workers.model.loading.load_model
 
 
 def poisoned(input_ids: torch.Tensor) -> bool:
@@ -33,9 +33,9 @@ def load_model(*args, **kwargs):
     return loaded
 
 
-workers.model.loading.load_model = load_model  # build_engine imports it at call time
+rqbatcher.workers.model.loading.load_model = load_model  # build_engine imports it at call time
 
 if __name__ == "__main__":
-    from batcher.cli import main
+    from rqbatcher.cli import main
 
     main()

@@ -15,13 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.durability import ReplicaWait
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.durability import ReplicaWait
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.fake_engine import FakeEngine
 from tests.jobs_support import wait_for
 from tests.reliability.support import RedisServer
-from workers.job_worker.worker import JobWorker
 
 QUEUE = "cost"
 WAIT_SAMPLES = 1000

@@ -21,8 +21,8 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from batcher.jobs import keys
-from batcher.schema import GenerationRequest, SamplingParams, StreamEvent
+from rqbatcher.jobs import keys
+from rqbatcher.schema import GenerationRequest, SamplingParams, StreamEvent
 from tests.e2e.test_workers import stop, wait_ready  # noqa: F401  (re-exported: the e2e helpers)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,8 +89,8 @@ class RedisServer:
 
 def start_worker(url: str, model_dir: Path, queue: str, log_path: Path, *, max_num_seqs: int = 16,
                  num_blocks: int = 512, lease: int = LEASE_S, extra: tuple[str, ...] = (),
-                 module: str = "batcher", name: str | None = None) -> tuple[str, subprocess.Popen]:
-    """A real worker process (`python -m batcher worker ...`, or a wrapper module taking the same args)."""
+                 module: str = "rqbatcher", name: str | None = None) -> tuple[str, subprocess.Popen]:
+    """A real worker process (`python -m rqbatcher worker ...`, or a wrapper module taking the same args)."""
     name = name or f"rel-{uuid.uuid4().hex[:8]}"
     command = [sys.executable, "-m", module, "worker", "--redis-url", url, "--queue", queue,
                "--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--num-blocks", str(num_blocks),

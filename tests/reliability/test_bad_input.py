@@ -24,11 +24,11 @@ from rq.job import JobStatus
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client
-from batcher.jobs.contract import JOB_FUNCTION
-from batcher.jobs.life import PICKLED_JOB_REASON, InvalidJob, decode_request
-from batcher.sampling_params import MAX_TOKENS_LIMIT
-from batcher.schema import MAX_PROMPT_BYTES
+from rqbatcher.client import Client
+from rqbatcher.jobs.contract import JOB_FUNCTION
+from rqbatcher.jobs.life import PICKLED_JOB_REASON, InvalidJob, decode_request
+from rqbatcher.sampling_params import MAX_TOKENS_LIMIT
+from rqbatcher.schema import MAX_PROMPT_BYTES
 from tests.jobs_support import wait_for
 from tests.reliability.support import fetch, greedy, prompt_pool, record, reference
 

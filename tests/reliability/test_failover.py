@@ -20,9 +20,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from batcher.client import Client
-from batcher.jobs.durability import NotReplicated
-from batcher.jobs.redis_retry import REDIS_ERRORS
+from rqbatcher.client import Client
+from rqbatcher.jobs.durability import NotReplicated
+from rqbatcher.jobs.redis_retry import REDIS_ERRORS
 from tests.jobs_support import wait_for
 from tests.reliability.sentinel_support import SentinelCluster
 from tests.reliability.support import free_port, greedy, record, start_worker, stop, wait_ready
@@ -160,7 +160,7 @@ def test_a_stream_relayed_by_the_gateway_goes_on_across_a_failover(tiny_model_di
     until it passes the text already sent), never a gap or a repeated token."""
     cluster = SentinelCluster(tmp_path / "redis").start()
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url",
+    gateway = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url",
                                 cluster.url, "--queue", QUEUE], env={**os.environ, "BATCHER_API_KEYS": API_KEY},
                                stdout=subprocess.DEVNULL, stderr=(tmp_path / "gateway.log").open("w"))
     name, worker = start_worker(cluster.url, tiny_model_dir("llama"), QUEUE, tmp_path / "worker.log",

@@ -10,8 +10,8 @@ import time
 import pytest
 from rq.job import JobStatus
 
-from batcher.client import Client, QueueFull
-from batcher.jobs import keys
+from rqbatcher.client import Client, QueueFull
+from rqbatcher.jobs import keys
 from tests.jobs_support import fake_redis_fixture, wait_for  # noqa: F401
 from tests.reliability.support import MemorySampler, RedisServer, fetch, greedy, record, start_worker, stop, wait_ready
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batcher.client import Client
-from batcher.jobs import keys
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.engine_helpers import engine_for
 from tests.jobs_support import keep_signal_handlers_fixture  # noqa: F401
 from tests.reliability.support import RedisServer, greedy, prompt_pool, record, reference
-from workers.job_worker.worker import JobWorker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("keep_signal_handlers")]
 NUM_BLOCKS, BLOCK_SIZE, MAX_TOKENS = 6, 16, 48

@@ -13,7 +13,7 @@ import pytest
 from rq.job import JobStatus
 from rq.results import Result
 
-from batcher.client import Client
+from rqbatcher.client import Client
 from tests.jobs_support import wait_for
 from tests.reliability.fault_proxy import FaultProxy
 from tests.reliability.support import (

@@ -7,7 +7,7 @@ import pytest
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client, JobFailed
+from rqbatcher.client import Client, JobFailed
 from tests.reliability.poison_worker import POISON_IDS
 from tests.reliability.support import fetch, greedy, prompt_pool, record, reference
 

@@ -19,15 +19,15 @@ from rq import Queue
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client, JobFailed, connect
-from batcher.jobs import keys
-from batcher.jobs.contract import JOB_FUNCTION
-from batcher.sampling_params import MAX_TOKENS_LIMIT
-from batcher.schema import MAX_PROMPT_BYTES, MAX_PROMPT_TOKEN_IDS, GenerationRequest
+from rqbatcher.client import Client, JobFailed, connect
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.contract import JOB_FUNCTION
+from rqbatcher.sampling_params import MAX_TOKENS_LIMIT
+from rqbatcher.schema import MAX_PROMPT_BYTES, MAX_PROMPT_TOKEN_IDS, GenerationRequest
+from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401
 from tests.reliability.support import RedisServer, fetch, free_port, record
-from workers.job_worker.worker import JobWorker
 
 pytestmark = pytest.mark.timeout(300)
 SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
@@ -198,8 +198,8 @@ def test_a_worker_fails_oversized_jobs_sent_around_the_client(shared_worker):
 
 # ----- /metrics -----
 def test_metrics_bind_to_the_address_the_operator_picks(tiny_model_dir):
+    from rqbatcher.workers.job_worker.engine_metrics import EngineMetrics
     from tests.engine_helpers import engine_for
-    from workers.job_worker.engine_metrics import EngineMetrics
 
     metrics = EngineMetrics(engine_for(tiny_model_dir("llama"), num_blocks=16))
     server = metrics.start_http_server(0, "127.0.0.1")

@@ -21,10 +21,10 @@ from rq.registry import FailedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.contract import JOB_FUNCTION
-from batcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.contract import JOB_FUNCTION
+from rqbatcher.schema import GenerationRequest, SamplingParams
 from tests.engine_helpers import engine_for
 from tests.jobs_support import continued_text, wait_for
 from tests.reliability.support import (

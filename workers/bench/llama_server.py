@@ -22,12 +22,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from batcher.config import EngineConfig
-from workers.bench.private_redis import free_port
-from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
-from workers.bench.workload import WorkloadRequest
-from workers.engine.engine import WARMUP_REQUEST
-from workers.model.loading import cache_dir
+from rqbatcher.config import EngineConfig
+from rqbatcher.workers.bench.private_redis import free_port
+from rqbatcher.workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from rqbatcher.workers.bench.workload import WorkloadRequest
+from rqbatcher.workers.engine.engine import WARMUP_REQUEST
+from rqbatcher.workers.model.loading import cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source package whose vendored llama.cpp is built
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -167,7 +167,7 @@ def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir
 def _drive(workload: list[WorkloadRequest], vocab_size: int, port: int, config: EngineConfig, name: str,
            pid: int) -> SystemRun:
     """Submit each request at its arrival time, each on its own connection, and stamp its tokens."""
-    from workers.bench.peers import _steps_from_stamps
+    from rqbatcher.workers.bench.peers import _steps_from_stamps
 
     run = SystemRun(name, slots=config.max_num_seqs, token_times={w.id: [] for w in workload},
                     tokens={w.id: [] for w in workload})

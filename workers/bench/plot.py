@@ -6,8 +6,8 @@ each step, over the slots). Right: cumulative generated tokens over time for eve
 
 from __future__ import annotations
 
-from workers.bench.report import BenchReport
-from workers.bench.system import NO_PREFIX_CACHING_SUFFIX
+from rqbatcher.workers.bench.report import BenchReport
+from rqbatcher.workers.bench.system import NO_PREFIX_CACHING_SUFFIX
 
 FIGURE_SIZE = (12, 4.5)
 DPI = 110

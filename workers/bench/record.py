@@ -1,8 +1,8 @@
 """What a benchmark records of one system's run, and the helpers every system's runner shares.
 
-Every system (batcher in `workers.bench.run`, the transformers baselines in `workers.bench.peers`)
+Every system (batcher in `rqbatcher.workers.bench.run`, the transformers baselines in `rqbatcher.workers.bench.peers`)
 produces a `SystemRun`: when each token appeared, which tokens, what each step computed, and the
-peak memory. `workers.bench.report` then derives every metric the same way for all of them.
+peak memory. `rqbatcher.workers.bench.report` then derives every metric the same way for all of them.
 Arrival times in the workload are honoured: a request is submitted when its time has come.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from workers.bench.workload import WorkloadRequest
+from rqbatcher.workers.bench.workload import WorkloadRequest
 
 RSS_SAMPLE_INTERVAL_S = 0.02
 

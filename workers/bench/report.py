@@ -7,7 +7,7 @@
 - slot occupancy: sequences doing useful work per step, over the system's slots;
 - model FLOP utilisation: the model's useful FLOPs (no padding, no recompute, no prefix found in the
   cache) per second, over a matmul probe measured in the same process, dtype and thread count;
-- % of the roofline limit (`workers.bench.roofline`): the shortest wall time any system could take, over
+- % of the roofline limit (`rqbatcher.workers.bench.roofline`): the shortest wall time any system could take, over
   this system's; and a lone sequence's decode step against the weight-read floor;
 - correctness: every system's greedy tokens against the baseline's, with every difference listed.
 """
@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from workers.bench.record import SystemRun
-from workers.bench.roofline import ModelCost, Roofline
-from workers.bench.workload import WorkloadRequest
+from rqbatcher.workers.bench.record import SystemRun
+from rqbatcher.workers.bench.roofline import ModelCost, Roofline
+from rqbatcher.workers.bench.workload import WorkloadRequest
 
 MB = 1 << 20
 

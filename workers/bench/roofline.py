@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batcher.schema import GenerationRequest, SamplingParams
-from workers.bench.workload import WorkloadRequest, shared_prefix_lengths
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.bench.workload import WorkloadRequest, shared_prefix_lengths
 
 PROBE_SIZE = 1024  # square matmul in the run's dtype: large enough to run at the CPU's peak, yet ~5-30 ms
 PROBE_REPEATS = 10

@@ -1,11 +1,11 @@
 """`batcher bench`: one workload through several systems, in one process, on equal terms.
 
-Systems (`workers.bench.system`): `batcher:continuous` and `batcher:static` (this engine, run here step by
+Systems (`rqbatcher.workers.bench.system`): `batcher:continuous` and `batcher:static` (this engine, run here step by
 step, or through Redis and a worker with `@redis`, with or without prefix caching), and the transformers
-baselines `hf-cb`, `hf-static`, `hf-naive` (`workers.bench.peers`), and llama.cpp's `llama-server`
+baselines `hf-cb`, `hf-static`, `hf-naive` (`rqbatcher.workers.bench.peers`), and llama.cpp's `llama-server`
 (`workers.bench.llama_server`; skipped, with the reason, where it cannot be built). They run one after the other with
 the same weights, slots, page size, token budget and threads; each is warmed up first and freed after.
-Metrics come from `workers.bench.report`.
+Metrics come from `rqbatcher.workers.bench.report`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from pathlib import Path
 
 import torch
 
-from batcher.config import EngineConfig
-from batcher.schema import GenerationRequest, SamplingParams
-from workers.bench.llama_server import SystemUnavailable
-from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
-from workers.bench.report import BenchReport, environment, system_report
-from workers.bench.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
-from workers.bench.system import System
-from workers.bench.workload import WorkloadRequest, shared_prefix_tokens
-from workers.engine.engine import Engine, build_engine
-from workers.model.precision import DTYPES, resolve_dtype
-from workers.model.runner import resolve_device
+from rqbatcher.config import EngineConfig
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.bench.llama_server import SystemUnavailable
+from rqbatcher.workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from rqbatcher.workers.bench.report import BenchReport, environment, system_report
+from rqbatcher.workers.bench.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
+from rqbatcher.workers.bench.system import System
+from rqbatcher.workers.bench.workload import WorkloadRequest, shared_prefix_tokens
+from rqbatcher.workers.engine.engine import Engine, build_engine
+from rqbatcher.workers.model.precision import DTYPES, resolve_dtype
+from rqbatcher.workers.model.runner import resolve_device
 
 
 def workload_request(item: WorkloadRequest, vocab_size: int) -> GenerationRequest:
@@ -76,8 +76,8 @@ def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequ
             run = run_batcher(engine, workload, system.name)
             run.lone_decode_step_s = lone_decode_step_s(engine)
             return run, ModelCost.of(engine.runner.model)
-        from batcher.client import connect
-        from workers.bench.through_redis import run_batcher_redis
+        from rqbatcher.client import connect
+        from rqbatcher.workers.bench.through_redis import run_batcher_redis
 
         engine.warm_up()
         vocab = engine.loaded.vocab_size
@@ -85,14 +85,14 @@ def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequ
                                 lambda item: workload_request(item, vocab))
         return run, ModelCost.of(engine.runner.model)
 
-    from workers.bench import peers
-    from workers.model.runner import num_kv_blocks
+    from rqbatcher.workers.bench import peers
+    from rqbatcher.workers.model.runner import num_kv_blocks
 
     model = peers.load_hf_model(config)
     vocab = model.get_output_embeddings().weight.shape[0]
     if system.kind == "llama-server":
-        from workers.bench.llama_server import run_llama_server
-        from workers.model.loading import resolve
+        from rqbatcher.workers.bench.llama_server import run_llama_server
+        from rqbatcher.workers.model.loading import resolve
 
         cost = ModelCost.of(model)
         del model  # the server loads its own copy

@@ -2,8 +2,8 @@
 
 `batcher:continuous` and `batcher:static` are this engine, driven step by step; with the suffix `@redis`
 they are served through Redis and a worker instead. `hf-cb`, `hf-static` and `hf-naive` are the
-transformers baselines (`workers.bench.peers`); `llama-server` is llama.cpp's server, built on first use
-(`workers.bench.llama_server`; not in ALL_SYSTEMS, which the tests run).
+transformers baselines (`rqbatcher.workers.bench.peers`); `llama-server` is llama.cpp's server, built on first use
+(`rqbatcher.workers.bench.llama_server`; not in ALL_SYSTEMS, which the tests run).
 
 The systems with a prefix cache (batcher, and hf-cb with transformers' block sharing) run with it on, as
 each ships; `:no-prefix-caching` after the name turns it off (`batcher:continuous:no-prefix-caching@redis`),
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from batcher.config import POLICIES, EngineConfig, Policy
+from rqbatcher.config import POLICIES, EngineConfig, Policy
 
 REDIS_SUFFIX = "@redis"
 NO_PREFIX_CACHING_SUFFIX = ":no-prefix-caching"

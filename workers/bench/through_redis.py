@@ -13,14 +13,14 @@ import uuid
 
 from redis import Redis
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.redis_text import as_text
-from batcher.schema import StreamEvent
-from workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
-from workers.bench.workload import WorkloadRequest
-from workers.engine.engine import Engine
-from workers.job_worker.worker import JobWorker
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.redis_text import as_text
+from rqbatcher.schema import StreamEvent
+from rqbatcher.workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from rqbatcher.workers.bench.workload import WorkloadRequest
+from rqbatcher.workers.engine.engine import Engine
+from rqbatcher.workers.job_worker.worker import JobWorker
 
 READ_BLOCK_MS = 100
 RESULT_TIMEOUT_S = 3600

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from batcher.errors import BatcherError
+from rqbatcher.errors import BatcherError
 
 PROMPT_ID_MARGIN = 100
 PREFIX_SEED_PREFIX = "prefix:"

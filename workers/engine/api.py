@@ -1,6 +1,6 @@
 """The engine's interface, as the worker, the metrics and the offline runner use it (no torch here).
 
-`workers.engine.engine.Engine` implements `EngineProtocol`; so does the test suite's fake engine, and a test
+`rqbatcher.workers.engine.engine.Engine` implements `EngineProtocol`; so does the test suite's fake engine, and a test
 checks that both still match it. Only plain data crosses it: what one step produces for one request is a
 `RequestOutput` (with the request's times), and `stats()` returns an `EngineStats` snapshot.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from batcher.scheduler.blocks import PrefixCacheStats
-from batcher.schema import Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
+from rqbatcher.scheduler.blocks import PrefixCacheStats
+from rqbatcher.schema import Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
 
 
 class RequestError(ValueError):

@@ -12,7 +12,7 @@ job and its cancel and recovery see one request.
 
 With `best_of` > n, the sequences are best_of candidates, named and seeded as choices are, and once all have
 ended the request returns the n whose generated tokens have the highest mean logprob (the logprobs as reported:
-batcher.schema.TokenLogprob), re-indexed 0..n-1, best first (OpenAI: "the one with the highest log probability
+rqbatcher.schema.TokenLogprob), re-indexed 0..n-1, best first (OpenAI: "the one with the highest log probability
 per token"). Scoring needs each token's logprob, so a candidate of a request that did not ask for logprobs
 samples with `logprobs=0` (the chosen token's alone; only these rows pay for a log-softmax) and the answers lose
 them. Such a request streams nothing: its candidates are not its answers, and the worker writes every output's
@@ -28,8 +28,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from batcher.schema import Choice, GenerationRequest, SamplingParams
-from workers.engine.api import RequestOutput
+from rqbatcher.schema import Choice, GenerationRequest, SamplingParams
+from rqbatcher.workers.engine.api import RequestOutput
 
 CHOICE_SEPARATOR = "#choice"
 SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i's seed is the request's plus i strides (mod 2**63)

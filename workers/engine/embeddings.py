@@ -1,7 +1,7 @@
 """Embedding requests in the engine: each input is a prefill-only sequence (`Sequence.embed`), scheduled like a
 prompt, and its final hidden states pool into one vector.
 
-Pooling follows the model (`workers.model.pooling`): the mean of every token's hidden state, summed across the
+Pooling follows the model (`rqbatcher.workers.model.pooling`): the mean of every token's hidden state, summed across the
 chunks of a chunked prefill; the last token's; or the first token's. A chunk that starts at position 0 starts the
 pool again, so a sequence preempted and recomputed pools once. Every vector is L2-normalised (OpenAI's embeddings
 are unit length; sentence-transformers' Normalize module does the same), and a request's `dimensions` cuts it to
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from batcher.config import TASK_EMBED, TASK_GENERATE
-from batcher.scheduler.sequence import Sequence
-from batcher.schema import GenerationRequest
-from batcher.service_class import class_of, urgency_of
-from workers.engine.api import RequestError, RequestOutput
-from workers.model.loading import LoadedModel, ModelLoadError
-from workers.model.pooling import POOL_FIRST, POOL_LAST, POOL_MEAN, EmbeddingFacts
+from rqbatcher.config import TASK_EMBED, TASK_GENERATE
+from rqbatcher.scheduler.sequence import Sequence
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.service_class import class_of, urgency_of
+from rqbatcher.workers.engine.api import RequestError, RequestOutput
+from rqbatcher.workers.model.loading import LoadedModel, ModelLoadError
+from rqbatcher.workers.model.pooling import POOL_FIRST, POOL_LAST, POOL_MEAN, EmbeddingFacts
 
 INPUT_SEPARATOR = "#input"  # an input's sequence id: <request id>#input<i>
 WIRE_DTYPE = np.dtype("<f4")  # OpenAI's base64 embeddings: little-endian float32

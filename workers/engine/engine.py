@@ -1,4 +1,4 @@
-"""The engine: `add`, `step`, `abort`, `has_work` (`workers.engine.api.EngineProtocol`). It knows nothing
+"""The engine: `add`, `step`, `abort`, `has_work` (`rqbatcher.workers.engine.api.EngineProtocol`). It knows nothing
 of Redis and holds no sequence state of its own: each step is glue between the parts,
 
     tokenize (on add) -> Scheduler.schedule -> ModelRunner.execute -> Sampler.sample
@@ -17,23 +17,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from batcher.config import TASK_EMBED, TASK_GENERATE, EngineConfig
-from batcher.logit_bias import logit_bias_problem
-from batcher.scheduler import Scheduler, StepPlan
-from batcher.scheduler.blocks import BlockAllocator, blocks_needed
-from batcher.scheduler.sequence import Sequence, SequenceStatus
-from batcher.schema import GenerationRequest, SamplingParams, TokenLogprob
-from batcher.service_class import CLASSES, class_of, urgency_of
-from batcher.tools.prompt import chat_inputs, template_reads_tools
-from workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
-from workers.engine.choices import Choices
-from workers.engine.detokenize import IncrementalDetokenizer
-from workers.engine.embeddings import Embeddings, serving_tasks
-from workers.engine.logprobs import Logprobs
-from workers.engine.sampling import Sampler
-from workers.engine.structured import Grammars
-from workers.model.loading import LoadedModel
-from workers.model.runner import ModelRunner
+from rqbatcher.config import TASK_EMBED, TASK_GENERATE, EngineConfig
+from rqbatcher.logit_bias import logit_bias_problem
+from rqbatcher.scheduler import Scheduler, StepPlan
+from rqbatcher.scheduler.blocks import BlockAllocator, blocks_needed
+from rqbatcher.scheduler.sequence import Sequence, SequenceStatus
+from rqbatcher.schema import GenerationRequest, SamplingParams, TokenLogprob
+from rqbatcher.service_class import CLASSES, class_of, urgency_of
+from rqbatcher.tools.prompt import chat_inputs, template_reads_tools
+from rqbatcher.workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
+from rqbatcher.workers.engine.choices import Choices
+from rqbatcher.workers.engine.detokenize import IncrementalDetokenizer
+from rqbatcher.workers.engine.embeddings import Embeddings, serving_tasks
+from rqbatcher.workers.engine.logprobs import Logprobs
+from rqbatcher.workers.engine.sampling import Sampler
+from rqbatcher.workers.engine.structured import Grammars
+from rqbatcher.workers.model.loading import LoadedModel
+from rqbatcher.workers.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -385,9 +385,9 @@ class Engine:
 
 def build_engine(config: EngineConfig) -> Engine:
     """Load `config.model` and build an engine around it, with `dtype="auto"` resolved (and logged)."""
-    from workers.model.loading import load_model
-    from workers.model.precision import DTYPES, resolve_dtype
-    from workers.model.runner import resolve_device
+    from rqbatcher.workers.model.loading import load_model
+    from rqbatcher.workers.model.precision import DTYPES, resolve_dtype
+    from rqbatcher.workers.model.runner import resolve_device
 
     torch.set_grad_enabled(False)
     config = replace(config, dtype=resolve_dtype(config.dtype, resolve_device(config.device)))

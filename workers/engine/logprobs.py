@@ -2,7 +2,7 @@
 of a best_of request, which are scored by them (workers/engine/choices.py asks with `logprobs=0` for those).
 
 `capture` runs between the grammar mask and the sampler: the log-softmax of the rows that asked, taken
-before logit_bias, the penalties, temperature, top-k and top-p touch the logits (batcher.schema.TokenLogprob says
+before logit_bias, the penalties, temperature, top-k and top-p touch the logits (rqbatcher.schema.TokenLogprob says
 what the numbers mean). `record` then keeps, per request, the sampled token's logprob and the top
 alternatives until the engine takes the token (`pop`). A step where no sequence asked costs nothing.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batcher.scheduler.sequence import Sequence
-from batcher.schema import TokenLogprob, TopLogprob
+from rqbatcher.scheduler.sequence import Sequence
+from rqbatcher.schema import TokenLogprob, TopLogprob
 
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
 IMPOSSIBLE_LOGPROB = -9999.0  # what OpenAI reports for a token of no probability (JSON has no -inf)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batcher.scheduler.sequence import Sequence
-from batcher.schema import SamplingParams
+from rqbatcher.scheduler.sequence import Sequence
+from rqbatcher.schema import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
@@ -85,7 +85,7 @@ PHILOX_MULTIPLIERS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
 PHILOX_KEY_STEPS = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))  # the key's Weyl increments between rounds
 WORD_BITS = np.uint64(32)
 WORD_MASK = np.uint64(0xFFFFFFFF)
-KEY_MODULUS = 1 << 64  # a seed is any int64 or uint64 (batcher.schema); its two's complement is the key
+KEY_MODULUS = 1 << 64  # a seed is any int64 or uint64 (rqbatcher.schema); its two's complement is the key
 RANDOM_SEED_BITS = 63  # an unseeded sequence's seed, as choices' seeds are drawn (mod 2**63)
 UNIFORM_HIGH_BITS, UNIFORM_LOW_BITS = 27, 26  # a float64's 53-bit mantissa: the top bits of two output words
 

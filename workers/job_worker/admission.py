@@ -1,5 +1,5 @@
 """Admission: while the engine has room, take jobs from the queues (most urgent class first, fairly between
-tenants: `workers.job_worker.class_pick`) and start them.
+tenants: `rqbatcher.workers.job_worker.class_pick`) and start them.
 
 Each taken job moves into its queue's intermediate list, as RQ's reliable dequeue moves it, is fetched,
 started as its own RQ Execution under a lease (one transaction for all jobs taken together), decoded, checked
@@ -15,17 +15,17 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from batcher.jobs import keys
-from batcher.jobs.life import TERMINAL_STATUSES, InvalidJob, decode_request
-from batcher.jobs.redis_retry import REDIS_ERRORS
-from batcher.jobs.rq_adapter import WORKERS_SUSPENDED, BaseJobWorker, Execution, Job, Queue, failure_ttl
-from batcher.schema import GenerationRequest
-from workers.engine.api import EngineProtocol, RequestError
-from workers.job_worker.class_pick import ClassAdmission
-from workers.job_worker.in_flight import InFlight, InFlightJobs
-from workers.job_worker.leases import claim_on, fenced
-from workers.job_worker.resume import Resumed, read_resumable, with_job_seed
-from workers.job_worker.stream_writer import StreamWriter
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.life import TERMINAL_STATUSES, InvalidJob, decode_request
+from rqbatcher.jobs.redis_retry import REDIS_ERRORS
+from rqbatcher.jobs.rq_adapter import WORKERS_SUSPENDED, BaseJobWorker, Execution, Job, Queue, failure_ttl
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.workers.engine.api import EngineProtocol, RequestError
+from rqbatcher.workers.job_worker.class_pick import ClassAdmission
+from rqbatcher.workers.job_worker.in_flight import InFlight, InFlightJobs
+from rqbatcher.workers.job_worker.leases import claim_on, fenced
+from rqbatcher.workers.job_worker.resume import Resumed, read_resumable, with_job_seed
+from rqbatcher.workers.job_worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from batcher.service_class import CLASSES, class_of
-from workers.job_worker.engine_metrics import (
+from rqbatcher.service_class import CLASSES, class_of
+from rqbatcher.workers.job_worker.engine_metrics import (
     FIRST_TOKEN_BUCKETS,
     MODEL_LABEL,
     REQUEST_LATENCY_BUCKETS,
@@ -29,8 +29,8 @@ from workers.job_worker.engine_metrics import (
 )
 
 if TYPE_CHECKING:
-    from workers.engine.api import EngineProtocol
-    from workers.job_worker.in_flight import JobEnd
+    from rqbatcher.workers.engine.api import EngineProtocol
+    from rqbatcher.workers.job_worker.in_flight import JobEnd
 
 MAX_TENANT_LABELS = 20
 OTHER_TENANT = "other"

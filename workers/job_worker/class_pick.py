@@ -3,7 +3,7 @@
 A worker is started on its interactive queues (`keys.priority_queue_names`); the queues of the priority
 and batch classes of its bases (a batch queue per tenant) are found in their registry
 (`keys.class_queues_key`) at every admission scan and become queues of the worker, so its lease recovery,
-stranded-job requeue and RQ maintenance cover them as any other. One pick (`batcher.jobs.fairness.Picker`, a Lua
+stranded-job requeue and RQ maintenance cover them as any other. One pick (`rqbatcher.jobs.fairness.Picker`, a Lua
 script) then takes, atomically across workers:
 - first, up to the engine's `batch_deficit` batch jobs, the batch class's minimum share of the slots;
 - then the most urgent waiting work: priority, interactive, batch lines whose window is about to close, then
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from batcher.jobs import keys
-from batcher.jobs.fairness import Candidate, Picker, charge_on
-from batcher.jobs.queues import parse_queue, tenant_token
-from batcher.jobs.redis_text import as_text
-from batcher.jobs.rq_adapter import taken_list_key
-from batcher.service_class import BATCH, CLASSES, INTERACTIVE, class_of
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.fairness import Candidate, Picker, charge_on
+from rqbatcher.jobs.queues import parse_queue, tenant_token
+from rqbatcher.jobs.redis_text import as_text
+from rqbatcher.jobs.rq_adapter import taken_list_key
+from rqbatcher.service_class import BATCH, CLASSES, INTERACTIVE, class_of
 
 GROUP_RANK = 1_000_000  # a candidate's group: class rank, then level, then the routed queue's position
 GROUP_LEVEL = 1_000

@@ -23,13 +23,13 @@ import prometheus_client
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from batcher.config import DEFAULT_METRICS_ADDR
-from batcher.schema import FinishReason
+from rqbatcher.config import DEFAULT_METRICS_ADDR
+from rqbatcher.schema import FinishReason
 
 if TYPE_CHECKING:
     from http.server import HTTPServer
 
-    from workers.engine.api import EngineProtocol, RequestOutput
+    from rqbatcher.workers.engine.api import EngineProtocol, RequestOutput
 
 
 # A request that ended in an error rather than with one of the schema's finish reasons.

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from batcher.jobs import life as job_life
-from batcher.jobs.contract import bounded_reason
-from batcher.jobs.rq_adapter import Execution, Job, Queue
-from batcher.schema import GenerationRequest, GenerationResult
+from rqbatcher.jobs import life as job_life
+from rqbatcher.jobs.contract import bounded_reason
+from rqbatcher.jobs.rq_adapter import Execution, Job, Queue
+from rqbatcher.schema import GenerationRequest, GenerationResult
 
 EndStatus = job_life.EndStatus | Literal["lost"]  # lost: another worker holds the job now
 
@@ -56,7 +56,7 @@ class InFlight:
     admitted_at: float  # time.monotonic()
     result_ttl: int
     failure_ttl: int
-    tenant: str  # whose fair-share counter the pick charged (`batcher.jobs.fairness`); the end corrects it
+    tenant: str  # whose fair-share counter the pick charged (`rqbatcher.jobs.fairness`); the end corrects it
     timeout_at: float | None = None
     request: GenerationRequest | None = None  # None until decoded, or if the job carries no valid request
     end: JobEnd | None = None

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import logging
 
-from batcher.jobs import durability, keys
-from batcher.jobs.life import record_end
-from batcher.jobs.rq_adapter import BaseJobWorker
-from batcher.webhooks.outbox import dispatch_after
-from workers.job_worker.class_pick import charge_end_on
-from workers.job_worker.in_flight import InFlight
-from workers.job_worker.leases import fenced, release_on
-from workers.job_worker.stream_writer import StreamWriter
+from rqbatcher.jobs import durability, keys
+from rqbatcher.jobs.life import record_end
+from rqbatcher.jobs.rq_adapter import BaseJobWorker
+from rqbatcher.webhooks.outbox import dispatch_after
+from rqbatcher.workers.job_worker.class_pick import charge_end_on
+from rqbatcher.workers.job_worker.in_flight import InFlight
+from rqbatcher.workers.job_worker.leases import fenced, release_on
+from rqbatcher.workers.job_worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
 
 
 def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlight]) -> list[InFlight]:
-    """Record each ended job's last stream events, its end (`batcher.jobs.life.record_end`) and the release of its
+    """Record each ended job's last stream events, its end (`rqbatcher.jobs.life.record_end`) and the release of its
     lease in one transaction; return the jobs it recorded (the others' leases are gone).
 
     A reader that sees the job ended finds its last event in the stream. If Redis is unreachable, this raises:

@@ -15,7 +15,7 @@
   A job a dead worker had taken from its queue but not started yet (still in RQ's intermediate list after
   STRANDED_GRACE_LEASES leases) goes back to the front of its queue. The job's own RQ `Retry` plays no part, so
   a job enqueued with plain RQ is recovered the same way, and RQ's started registry sees a long lease
-  (`batcher.jobs.rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
+  (`rqbatcher.jobs.rq_adapter.RQ_REGISTRY_HORIZON_S`) so that RQ's own cleanup never races.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Protocol
 from redis import Redis
 from redis.exceptions import WatchError
 
-from batcher.jobs import durability, keys
-from batcher.jobs.life import TERMINAL_STATUSES, readable_request, record_end
-from batcher.jobs.redis_retry import REDIS_ERRORS
-from batcher.jobs.redis_text import as_text
-from batcher.jobs.rq_adapter import BaseJobWorker, Execution, Job, NoSuchJobError, Queue
+from rqbatcher.jobs import durability, keys
+from rqbatcher.jobs.life import TERMINAL_STATUSES, readable_request, record_end
+from rqbatcher.jobs.redis_retry import REDIS_ERRORS
+from rqbatcher.jobs.redis_text import as_text
+from rqbatcher.jobs.rq_adapter import BaseJobWorker, Execution, Job, NoSuchJobError, Queue
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 from there (`Engine.add(progress=...)`) and its stream continues with the next event.
 
 A job runs again after its worker crashed, lost its lease, was force-stopped or a failover moved Redis. Every
-event in its stream passed the fence (`workers.job_worker.stream_writer`): it was written while its execution
+event in its stream passed the fence (`rqbatcher.workers.job_worker.stream_writer`): it was written while its execution
 held the job's lease, so the stream holds exactly what readers may have seen. The rerun reads it as readers do
 (a `restart` starts the text over; a `start` hands the stream to a new execution) and keeps each choice's tokens,
 text and logprobs. Continuing is impossible, and the rerun restarts, when the stream is not one unbroken text:
@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from batcher.schema import GenerationRequest, StreamEvent, TokenLogprob, Usage
-from workers.engine.api import Progress
+from rqbatcher.schema import GenerationRequest, StreamEvent, TokenLogprob, Usage
+from rqbatcher.workers.engine.api import Progress
 
 
 @dataclass

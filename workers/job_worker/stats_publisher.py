@@ -11,11 +11,11 @@ from typing import Protocol
 
 from redis import Redis
 
-from batcher.jobs import keys
-from batcher.jobs.worker_stats import WorkerState, WorkerStats
-from workers.engine.api import EngineProtocol
-from workers.job_worker.class_pick import in_flight_by_class
-from workers.job_worker.in_flight import InFlightJobs
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.worker_stats import WorkerState, WorkerStats
+from rqbatcher.workers.engine.api import EngineProtocol
+from rqbatcher.workers.job_worker.class_pick import in_flight_by_class
+from rqbatcher.workers.job_worker.in_flight import InFlightJobs
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ STATS_TTL_LEASES = 2  # a worker's published stats outlive one missed heartbeat,
 
 
 class PublishingWorker(Protocol):
-    """What the publisher reads of a worker (`workers.job_worker.worker.JobWorker`)."""
+    """What the publisher reads of a worker (`rqbatcher.workers.job_worker.worker.JobWorker`)."""
 
     name: str
     connection: Redis

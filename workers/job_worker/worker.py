@@ -2,7 +2,7 @@
 
 Its own loop replaces RQ's one-job-at-a-time `work()`. Each iteration:
 - acts on what other threads asked (stop-job commands, lost leases) and on running timeouts;
-- admits jobs while the engine has free slots (`workers.job_worker.admission`);
+- admits jobs while the engine has free slots (`rqbatcher.workers.job_worker.admission`);
 - steps the engine once and queues every sequence's stream events (`workers.job_worker.stream_writer` writes them in one
   fenced script call);
 - records the ends of the jobs that ended (`workers.job_worker.job_ends`): last stream events, result and lease release
@@ -10,7 +10,7 @@ Its own loop replaces RQ's one-job-at-a-time `work()`. Each iteration:
 
 Who owns what: the in-flight jobs and every cross-thread flag are in `workers.job_worker.in_flight`; the lease keeper
 (`workers.job_worker.leases`) renews leases from a thread of its own, whatever the engine is doing, and recovers the
-jobs of dead workers; RQ's side is `batcher.jobs.rq_adapter`.
+jobs of dead workers; RQ's side is `rqbatcher.jobs.rq_adapter`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from batcher.jobs.connection import describe
-from batcher.jobs.contract import DEFAULT_LEASE_S
-from batcher.jobs.redis_retry import REDIS_ERRORS, Backoff, retry_while_unreachable
-from batcher.jobs.rq_adapter import BaseJobWorker, WorkerStatus, get_version
-from batcher.schema import GenerationResult, Timings
-from workers.engine.api import EngineProtocol, RequestOutput
-from workers.job_worker.admission import Admission
-from workers.job_worker.in_flight import InFlight, InFlightJobs, JobEnd
-from workers.job_worker.job_ends import record_ends, requeue
-from workers.job_worker.leases import LeaseKeeper
-from workers.job_worker.stats_publisher import StatsPublisher
-from workers.job_worker.stream_writer import StreamWriter
+from rqbatcher.jobs.connection import describe
+from rqbatcher.jobs.contract import DEFAULT_LEASE_S
+from rqbatcher.jobs.redis_retry import REDIS_ERRORS, Backoff, retry_while_unreachable
+from rqbatcher.jobs.rq_adapter import BaseJobWorker, WorkerStatus, get_version
+from rqbatcher.schema import GenerationResult, Timings
+from rqbatcher.workers.engine.api import EngineProtocol, RequestOutput
+from rqbatcher.workers.job_worker.admission import Admission
+from rqbatcher.workers.job_worker.in_flight import InFlight, InFlightJobs, JobEnd
+from rqbatcher.workers.job_worker.job_ends import record_ends, requeue
+from rqbatcher.workers.job_worker.leases import LeaseKeeper
+from rqbatcher.workers.job_worker.stats_publisher import StatsPublisher
+from rqbatcher.workers.job_worker.stream_writer import StreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class JobWorker(BaseJobWorker):
 
     def _end_jobs(self) -> None:
         """Write the buffered stream events, then record the ends of the jobs that ended
-        (`workers.job_worker.job_ends`)."""
+        (`rqbatcher.workers.job_worker.job_ends`)."""
         ended = self.jobs.ended()
         for execution_id in self.streams.flush(force=bool(ended), exclude={f.id for f in ended}):
             if (f := self.jobs.get(execution_id)) is not None:

@@ -2,7 +2,7 @@
 
 `torch` (kernels.attention) runs anywhere and is the reference. `triton` (kernels.triton_attention) is
 one launch per layer per step, for CUDA; on a CPU it runs only under the Triton interpreter, which is how
-the tests check it. `cpu` is `torch` with decodes on the decode kernel of `kernels.native` (one call per layer
+the tests check it. `cpu` is `torch` with decodes on the decode kernel of `rqbatcher.kernels.native` (one call per layer
 reads every decode's keys from the paged cache: bf16 on AVX-512 BF16, fp32 on AVX2 without AVX-512) and, in
 bf16, prompt chunks on its prefill kernel (AMX where the CPU has it). `auto` takes triton on CUDA, cpu where
 its kernels serve the model, and torch elsewhere. FlashInfer or flash-attn could be further backends through
@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from batcher.config import ATTENTION_AUTO, ATTENTION_CPU, ATTENTION_TORCH, ATTENTION_TRITON
-from batcher.errors import BatcherError
+from rqbatcher.config import ATTENTION_AUTO, ATTENTION_CPU, ATTENTION_TORCH, ATTENTION_TRITON
+from rqbatcher.errors import BatcherError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def interpreting() -> bool:
 
 def resolve_attention_backend(name: str, device: torch.device, why_not_cpu: str | None) -> str:
     """The backend to run: `name`, or for `auto` triton on a CUDA device that has it, cpu where its kernel
-    serves the model (`why_not_cpu` is None: `kernels.native.why_not`), and torch elsewhere. An explicit
+    serves the model (`why_not_cpu` is None: `rqbatcher.kernels.native.why_not`), and torch elsewhere. An explicit
     backend that cannot run here is refused with the reason."""
     triton_installed = importlib.util.find_spec("triton") is not None
     if name == ATTENTION_AUTO:

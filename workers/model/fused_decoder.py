@@ -6,13 +6,13 @@ a causal mask that our attention never reads. At a decode step's few rows those 
 arithmetic: about a quarter of a lone SmolLM2 step. This forward keeps the model's own modules for what they do
 well (the embedding, the rotary module's cos and sin, the linears, and the LM head), calls q, k and v as one
 linear and gate and up as another at a decode step's few rows (`JointLinear`), and runs the rest as
-`kernels.native`'s layer ops: one call per norm with the residual add folded in, one for the rotary embedding
+`rqbatcher.kernels.native`'s layer ops: one call per norm with the residual add folded in, one for the rotary embedding
 of queries and keys, and in bf16 one for SiLU(gate) * up (fp32 keeps torch's SiLU, whose exp the kernels cannot
 match bit for bit). Those round wherever the modules' torch ops do, so the logits are the bits of transformers'
 forward (tests/test_fused_decoder.py checks every step of an engine, in both dtypes).
 
 It serves the families whose decoder layer is Llama's (`FAMILIES`) with a SiLU MLP, in bf16 or fp32 on a CPU
-where the kernels of that dtype load (`kernels.native.build_for`); any other model keeps transformers'
+where the kernels of that dtype load (`rqbatcher.kernels.native.build_for`); any other model keeps transformers'
 forward. A compiled forward (`EngineConfig.compile`) keeps its own graph.
 """
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
-from kernels.attention import AttentionMetadata, attend
-from workers.model.packed_linear import JointLinear
+from rqbatcher.kernels import native
+from rqbatcher.kernels.attention import AttentionMetadata, attend
+from rqbatcher.workers.model.packed_linear import JointLinear
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ FAMILIES: dict[str, Callable[[torch.nn.Module], int | None]] = {
     "qwen2": lambda attention: attention.sliding_window,
 }
 SILU_NAMES = ("silu", "swish")
-DTYPES = (torch.bfloat16, torch.float32)  # those of kernels.native's layer ops
+DTYPES = (torch.bfloat16, torch.float32)  # those of rqbatcher.kernels.native's layer ops
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ class _Layer:
 
 class FusedDecoder:
     """Logits of a step's kept rows (or their final hidden states) from token ids and positions, for
-    `workers.model.runner.ModelRunner`."""
+    `rqbatcher.workers.model.runner.ModelRunner`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         config = model.config.get_text_config()

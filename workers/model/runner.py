@@ -8,15 +8,15 @@ return them beside the logits, transformers' forward gives them through a hook o
 embedding rows runs eagerly, never on a compiled graph.
 
 Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
-same, with all decodes in one group for `kernels.native`'s kernel, and in bf16 prompt chunks on its prefill
-kernel), or the Triton one (flat arrays, `kernels.triton_attention`), as
+same, with all decodes in one group for `rqbatcher.kernels.native`'s kernel, and in bf16 prompt chunks on its prefill
+kernel), or the Triton one (flat arrays, `rqbatcher.kernels.triton_attention`), as
 `EngineConfig.attention_backend` resolves.
 
 How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packed once at load
 (`workers.model.packed_linear`), and a decode step's few rows, in bf16 or fp32, on `kernels.native`'s kernels where
 they run; the layers of a Llama-shaped model run fused (`workers.model.fused_decoder`) where those kernels load; with
 `EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a compiled forward
-(`workers.model.compiled_forward`), padded to a few token-count buckets.
+(`rqbatcher.workers.model.compiled_forward`), padded to a few token-count buckets.
 
 With `EngineConfig.batch_invariant` (the default), a bf16 step on `kernels.native` gives each row the same bits
 whatever else it holds: every linear on `tile_linear`, and decodes and prompt chunks in one attention arithmetic
@@ -30,11 +30,9 @@ import logging
 
 import torch
 
-from batcher.config import ATTENTION_CPU, ATTENTION_TRITON, EngineConfig
-from batcher.scheduler import StepPlan
-from batcher.scheduler.sequence import Sequence
-from kernels import native
-from kernels.attention import (
+from rqbatcher.config import ATTENTION_CPU, ATTENTION_TRITON, EngineConfig
+from rqbatcher.kernels import native
+from rqbatcher.kernels.attention import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSpan,
@@ -43,13 +41,15 @@ from kernels.attention import (
     shared_prefix_runs,
     step_metadata,
 )
-from kernels.triton_attention import FlatAttentionMetadata
-from workers.model.attention_backend import resolve_attention_backend
-from workers.model.compiled_forward import CompiledForward
-from workers.model.fused_decoder import FusedDecoder
-from workers.model.loading import LoadedModel
-from workers.model.packed_linear import can_pack, fp32_rows_native, pack_linears, route_fp32_linears
-from workers.model.precision import DTYPES
+from rqbatcher.kernels.triton_attention import FlatAttentionMetadata
+from rqbatcher.scheduler import StepPlan
+from rqbatcher.scheduler.sequence import Sequence
+from rqbatcher.workers.model.attention_backend import resolve_attention_backend
+from rqbatcher.workers.model.compiled_forward import CompiledForward
+from rqbatcher.workers.model.fused_decoder import FusedDecoder
+from rqbatcher.workers.model.loading import LoadedModel
+from rqbatcher.workers.model.packed_linear import can_pack, fp32_rows_native, pack_linears, route_fp32_linears
+from rqbatcher.workers.model.precision import DTYPES
 
 log = logging.getLogger(__name__)
 

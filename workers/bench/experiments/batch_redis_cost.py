@@ -1,10 +1,10 @@
 """What a large batch costs Redis: submit time, memory per queued request, and the cost of the counts.
 
-    python -m workers.bench.experiments.batch_redis_cost --lines 10000
+    python -m rqbatcher.workers.bench.experiments.batch_redis_cost --lines 10000
 
 Runs against a redis-server of its own (`workers.bench.private_redis`), so the memory figures hold nothing else. No
 model runs: each job's end is recorded the way the worker does it, one MULTI transaction per job, with and without
-its batch outcome (`batcher.batches.lines.record_outcome_on`), so the difference is the cost of the counts, the lines
+its batch outcome (`rqbatcher.batches.lines.record_outcome_on`), so the difference is the cost of the counts, the lines
 and the feed entries.
 """
 
@@ -19,12 +19,12 @@ from redis.connection import Connection
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from batcher.batches.lines import record_outcome_on
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.jobs.life import decode_request
-from batcher.schema import GenerationRequest, GenerationResult, Usage
-from workers.bench.private_redis import private_redis
+from rqbatcher.batches.lines import record_outcome_on
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.jobs.life import decode_request
+from rqbatcher.schema import GenerationRequest, GenerationResult, Usage
+from rqbatcher.workers.bench.private_redis import private_redis
 
 PROMPT_WORDS = 40  # about 250 bytes of prompt per line
 MAX_TOKENS = 64

@@ -28,14 +28,20 @@ import numpy as np
 import torch
 from openai import OpenAI
 
-from batcher.client import Client
-from batcher.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MODEL, TASK_EMBED, EngineConfig
-from batcher.jobs import keys
-from batcher.schema import GenerationRequest, GenerationResult
-from workers.bench.private_redis import private_redis
-from workers.bench.report import environment
-from workers.engine.engine import build_engine
-from workers.job_worker.worker import JobWorker
+from rqbatcher.client import Client
+from rqbatcher.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MODEL,
+    TASK_EMBED,
+    EngineConfig,
+)
+from rqbatcher.jobs import keys
+from rqbatcher.schema import GenerationRequest, GenerationResult
+from rqbatcher.workers.bench.private_redis import private_redis
+from rqbatcher.workers.bench.report import environment
+from rqbatcher.workers.engine.engine import build_engine
+from rqbatcher.workers.job_worker.worker import JobWorker
 
 QUEUE = "embedding-rate"
 RESULT_TIMEOUT_S = 3600
@@ -60,7 +66,7 @@ def gateway(connection, queue: str):
         port = probe.getsockname()[1]
     pool = connection.connection_pool.connection_kwargs
     url = f"redis://{pool['host']}:{pool['port']}/{pool.get('db', 0)}"
-    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", url,
+    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
                                "--queue", queue], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:

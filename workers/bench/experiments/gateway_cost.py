@@ -1,7 +1,7 @@
 """What the HTTP gateway costs: a large batch file uploaded and turned into a batch, and streaming through the
 gateway against the Python client on the same worker.
 
-    python -m workers.bench.experiments.gateway_cost --lines 10000 --requests 20 --max-tokens 64 --threads 1
+    python -m rqbatcher.workers.bench.experiments.gateway_cost --lines 10000 --requests 20 --max-tokens 64 --threads 1
 
 Runs a redis-server of its own (a free loopback port, no persistence), a `batcher serve` process and, for the
 streaming part, one `batcher worker` process on --model (in --dtype, float32 unless told otherwise). Everything goes
@@ -44,14 +44,14 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client
-from batcher.config import DTYPES
-from batcher.openai.batch_lines import CHAT_ID_PREFIX
-from batcher.schema import ChatMessage, GenerationRequest, SamplingParams
-from workers.bench.experiments.batch_redis_cost import _batch_lines
-from workers.bench.private_redis import free_port, start_redis_server
-from workers.bench.record import PeakRss
-from workers.bench.report import _cpu_name
+from rqbatcher.client import Client
+from rqbatcher.config import DTYPES
+from rqbatcher.openai.batch_lines import CHAT_ID_PREFIX
+from rqbatcher.schema import ChatMessage, GenerationRequest, SamplingParams
+from rqbatcher.workers.bench.experiments.batch_redis_cost import _batch_lines
+from rqbatcher.workers.bench.private_redis import free_port, start_redis_server
+from rqbatcher.workers.bench.record import PeakRss
+from rqbatcher.workers.bench.report import _cpu_name
 
 QUEUE = "bench"
 READY_S = 300  # a worker loads torch and the model on a busy machine
@@ -61,7 +61,8 @@ PROMPT = "Write a short story about a queue of requests waiting for a GPU."
 def _start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": ""}
-    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", redis_url,
+    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port),
+                               "--redis-url", redis_url,
                                "--queue", QUEUE, "--max-queue-length", "1000000"],
                               env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     base = f"http://127.0.0.1:{port}"
@@ -81,7 +82,7 @@ def _start_gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
 
 def _start_worker(redis_url: str, model: str, dtype: str, threads: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "batcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
+    return subprocess.Popen([sys.executable, "-m", "rqbatcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
                              "--model", model, "--dtype", dtype, "--device", "cpu"], env=env,
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
 

@@ -54,9 +54,9 @@ def vllm_requests(out: Path, model: str, dtype: str) -> Path:
     """The workloads' requests as vllm_peer.py reads them, with the bench's prompts and settings."""
     from transformers import AutoConfig
 
-    from batcher.config import EngineConfig
-    from workers.bench.workload import load_workload
-    from workers.model.loading import resolve
+    from rqbatcher.config import EngineConfig
+    from rqbatcher.workers.bench.workload import load_workload
+    from rqbatcher.workers.model.loading import resolve
 
     path = resolve(model)
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
@@ -140,7 +140,7 @@ def main() -> int:
     bench_ok = True
     for workload in WORKLOADS:
         bench_ok &= run_step(f"batcher bench {workload}", [
-            sys.executable, "-m", "batcher", "bench", "--workload", workload, "--model", args.model,
+            sys.executable, "-m", "rqbatcher", "bench", "--workload", workload, "--model", args.model,
             "--systems", ",".join(SYSTEMS), "--device", "cuda", "--attention-backend", "triton",
             "--json", str(out / f"{workload}.json")], min(BENCH_TIMEOUT_S, deadline - time.monotonic()), env)
     dtype = "bfloat16"

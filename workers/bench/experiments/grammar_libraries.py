@@ -1,6 +1,6 @@
 """llguidance against xgrammar on the schema suite (schemas/suite.jsonl), with a real tokenizer.
 
-    python -m workers.bench.experiments.grammar_libraries [--model smollm2] [--threads 1]
+    python -m rqbatcher.workers.bench.experiments.grammar_libraries [--model smollm2] [--threads 1]
 
 For each library: compile time per schema (p50, p99; no cache), coverage (schemas that compile, and
 random walks through the mask that end in text which parses and validates), and the time to fill the
@@ -169,7 +169,7 @@ def main() -> None:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from workers.model.loading import resolve
+    from rqbatcher.workers.model.loading import resolve
 
     torch.set_num_threads(args.threads)
     source = resolve(args.model)

@@ -1,8 +1,8 @@
 """What the job system costs per job: jobs per second through one in-process worker, with no model.
 
-    python -m workers.bench.experiments.job_rate --jobs 2000 --rounds 3
+    python -m rqbatcher.workers.bench.experiments.job_rate --jobs 2000 --rounds 3
 
-Runs against a redis-server of its own (`workers.bench.private_redis`). Each round enqueues `--jobs`
+Runs against a redis-server of its own (`rqbatcher.workers.bench.private_redis`). Each round enqueues `--jobs`
 requests of `--tokens` tokens in one pipeline, then one worker serves them in burst mode on the letter engine
 (`workers.bench.letter_engine`): every Redis command of a job's life (take, start under a lease, stream events,
 fenced end, result, feed) runs as in production; only the model is missing.
@@ -15,11 +15,11 @@ import time
 import click
 from redis import Redis
 
-from batcher.client import Client
-from batcher.schema import GenerationRequest, SamplingParams
-from workers.bench.letter_engine import LetterEngine
-from workers.bench.private_redis import private_redis
-from workers.job_worker.worker import JobWorker
+from rqbatcher.client import Client
+from rqbatcher.schema import GenerationRequest, SamplingParams
+from rqbatcher.workers.bench.letter_engine import LetterEngine
+from rqbatcher.workers.bench.private_redis import private_redis
+from rqbatcher.workers.job_worker.worker import JobWorker
 
 QUEUE = "job-rate"
 

@@ -1,5 +1,5 @@
 """Real `batcher worker` processes on a redis-server of their own, SIGKILLed mid-generation, and what their
-jobs' streams show: the part of `workers.bench.experiments.resume_after_crash` that starts, watches and kills
+jobs' streams show: the part of `rqbatcher.workers.bench.experiments.resume_after_crash` that starts, watches and kills
 workers."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from batcher.jobs import keys
-from batcher.schema import StreamEvent
-from workers.bench.experiments.gateway_cost import _wait, stop_all
-from workers.bench.private_redis import start_redis_server
+from rqbatcher.jobs import keys
+from rqbatcher.schema import StreamEvent
+from rqbatcher.workers.bench.experiments.gateway_cost import _wait, stop_all
+from rqbatcher.workers.bench.private_redis import start_redis_server
 
 LEASE_S = 2  # a dead worker's jobs run again this long after the kill (plus a keeper tick: a third of it)
 SLOTS = 16  # --max-num-seqs of every worker, the reference's included
@@ -63,7 +63,7 @@ class Bench:
         name = f"resume-{uuid.uuid4().hex[:8]}"
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "TOKENIZERS_PARALLELISM": "false"}
         process = subprocess.Popen(
-            [sys.executable, "-m", "batcher", "worker", "--redis-url", self.url, "--queue", queue, "--model",
+            [sys.executable, "-m", "rqbatcher", "worker", "--redis-url", self.url, "--queue", queue, "--model",
              self.model, "--dtype", self.dtype, "--device", "cpu", "--max-num-seqs", str(SLOTS),
              "--lease", str(LEASE_S), "--name", name],
             env=env, stdout=subprocess.DEVNULL, stderr=(self.directory / f"{name}.log").open("w"))

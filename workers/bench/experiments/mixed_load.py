@@ -1,6 +1,6 @@
 """A mixed load through Redis and the gateway with the official `openai` SDK: the figures of issue 19.
 
-    python -m workers.bench.experiments.mixed_load --lines 600 --small-lines 10 --requests 10 --threads 1 \
+    python -m rqbatcher.workers.bench.experiments.mixed_load --lines 600 --small-lines 10 --requests 10 --threads 1 \
         [--steady-lines 200 --steady-load 0.5] [--throughput-lines 64 --baseline-src DIR --rounds 3]
 
 Runs a redis-server of its own, one `batcher serve` with two API keys (tenants A and B) and one `batcher worker`
@@ -46,12 +46,12 @@ from pathlib import Path
 import click
 from redis import Redis
 
-from batcher.config import DTYPES
-from batcher.jobs import keys
-from batcher.scheduler.step_budget import QUIET_S
-from workers.bench.experiments.gateway_cost import _wait, stop_all
-from workers.bench.private_redis import free_port, start_redis_server
-from workers.bench.report import _cpu_name
+from rqbatcher.config import DTYPES
+from rqbatcher.jobs import keys
+from rqbatcher.scheduler.step_budget import QUIET_S
+from rqbatcher.workers.bench.experiments.gateway_cost import _wait, stop_all
+from rqbatcher.workers.bench.private_redis import free_port, start_redis_server
+from rqbatcher.workers.bench.report import _cpu_name
 
 QUEUE = "bench"
 READY_S = 300
@@ -75,7 +75,7 @@ def _env(src: Path | None, threads: int) -> dict:
 def _worker(redis_url: str, model: str, dtype: str, threads: int, log: Path, src: Path | None = None,
             step_time_target: float | None = None):
     target = [] if step_time_target is None else ["--step-time-target", str(step_time_target)]
-    return subprocess.Popen([sys.executable, "-m", "batcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
+    return subprocess.Popen([sys.executable, "-m", "rqbatcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
                              "--model", model, "--dtype", dtype, "--device", "cpu", "--max-num-seqs", "32", *target],
                             env=_env(src, threads), stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=src)
 
@@ -83,7 +83,8 @@ def _worker(redis_url: str, model: str, dtype: str, threads: int, log: Path, src
 def _gateway(redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
-    server = subprocess.Popen([sys.executable, "-m", "batcher", "serve", "--port", str(port), "--redis-url", redis_url,
+    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port),
+                               "--redis-url", redis_url,
                                "--queue", QUEUE, "--max-queue-length", "1000000"], env=env,
                               stdout=subprocess.DEVNULL, stderr=log.open("w"))
     return server, f"http://127.0.0.1:{port}"
@@ -258,7 +259,7 @@ def _batch_alone(redis_url: str, model: str, dtype: str, threads: int, lines: in
     worker = _worker(redis_url, model, dtype, threads, directory / f"worker-{label}.log", src)
     try:
         _wait(lambda: connection.scard("batcher:workers") >= 1, READY_S, f"the {label} worker")
-        created = subprocess.run([sys.executable, "-m", "batcher", "batch", "create", str(path), "--redis-url",
+        created = subprocess.run([sys.executable, "-m", "rqbatcher", "batch", "create", str(path), "--redis-url",
                                   redis_url, "--queue", QUEUE], env=_env(src, 1), cwd=src, capture_output=True,
                                  text=True, check=True)
         key = f"batcher:batch:{created.stdout.strip()}"

@@ -1,6 +1,6 @@
-"""What one fair pick (`batcher.jobs.fairness.Picker`) costs on a redis-server of the bench's own.
+"""What one fair pick (`rqbatcher.jobs.fairness.Picker`) costs on a redis-server of the bench's own.
 
-    python -m workers.bench.experiments.pick_cost [--repeats 100]
+    python -m rqbatcher.workers.bench.experiments.pick_cost [--repeats 100]
 
 Each case fills a shared queue as the enqueue leaves it (its jobs noted per tenant, or none for plain RQ), then
 times one pick; prints the median and p90 in milliseconds.
@@ -16,11 +16,11 @@ import time
 import click
 from redis import Redis
 
-from batcher.jobs import fairness, keys
-from batcher.jobs.fairness import Candidate, Picker
-from batcher.schema import GenerationRequest
-from workers.bench.experiments.gateway_cost import stop_all
-from workers.bench.private_redis import start_redis_server
+from rqbatcher.jobs import fairness, keys
+from rqbatcher.jobs.fairness import Candidate, Picker
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.workers.bench.experiments.gateway_cost import stop_all
+from rqbatcher.workers.bench.private_redis import start_redis_server
 
 QUEUE = "pick"
 CASES = (("32 of 1000 jobs, 4 tenants", 1000, 4, 32), ("1 of 1000 jobs, 4 tenants", 1000, 4, 1),

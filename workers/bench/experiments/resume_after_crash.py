@@ -1,7 +1,7 @@
 """Resume, not restart (issue 35): real `batcher worker` processes SIGKILLed mid-generation, and what their jobs'
 reruns keep of what the dead attempts streamed.
 
-    python -m workers.bench.experiments.resume_after_crash crash --dtype float32 [--temperature 0.8] \
+    python -m rqbatcher.workers.bench.experiments.resume_after_crash crash --dtype float32 [--temperature 0.8] \
         [--max-tokens 600] [--threads 1]
     python -m workers.bench.experiments.resume_after_crash recovery --dtype float32 [--repeats 1] [--threads 1]
 
@@ -40,12 +40,12 @@ from rq.job import Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from batcher.client import Client, JobFailed
-from batcher.config import DTYPES
-from batcher.jobs import keys
-from batcher.schema import ChatMessage, GenerationRequest, SamplingParams, StreamEvent
-from workers.bench.experiments.gateway_cost import stop_processes
-from workers.bench.experiments.killed_workers import (
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.config import DTYPES
+from rqbatcher.jobs import keys
+from rqbatcher.schema import ChatMessage, GenerationRequest, SamplingParams, StreamEvent
+from rqbatcher.workers.bench.experiments.gateway_cost import stop_processes
+from rqbatcher.workers.bench.experiments.killed_workers import (
     LEASE_S,
     POLL_S,
     RESULT_TIMEOUT_S,
@@ -62,8 +62,8 @@ from workers.bench.experiments.killed_workers import (
     resumed_at,
     wait_for,
 )
-from workers.bench.experiments.serving import CPU_FLAGS
-from workers.bench.report import _cpu_name
+from rqbatcher.workers.bench.experiments.serving import CPU_FLAGS
+from rqbatcher.workers.bench.report import _cpu_name
 
 QUEUE = "resume"
 REFERENCE_QUEUE = "resume-reference"

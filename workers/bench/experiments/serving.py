@@ -40,11 +40,11 @@ from pathlib import Path
 
 import click
 
-from batcher.config import DTYPES
-from workers.bench.experiments import serving_report as report
-from workers.bench.experiments.gateway_cost import QUEUE, _start_gateway, _wait, stop_all, stop_processes
-from workers.bench.private_redis import free_port, start_redis_server
-from workers.bench.report import _cpu_name
+from rqbatcher.config import DTYPES
+from rqbatcher.workers.bench.experiments import serving_report as report
+from rqbatcher.workers.bench.experiments.gateway_cost import QUEUE, _start_gateway, _wait, stop_all, stop_processes
+from rqbatcher.workers.bench.private_redis import free_port, start_redis_server
+from rqbatcher.workers.bench.report import _cpu_name
 
 SERVED = "bench-model"  # the name both servers answer to
 READY_S = 300  # a worker loads torch and the model on a busy machine
@@ -129,7 +129,7 @@ def bench_batcher(s: Settings, directory: Path) -> dict:
         processes.append(gateway)
         env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), "TOKENIZERS_PARALLELISM": "false"}
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "batcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
+            [sys.executable, "-m", "rqbatcher", "worker", "--redis-url", redis_url, "--queue", QUEUE,
              "--model", str(s.model_dir), "--served-model-name", SERVED, "--dtype", s.dtype, "--device", "cpu",
              "--max-num-seqs", str(s.slots), "--max-num-batched-tokens", str(s.budget)],
             env=env, stdout=subprocess.DEVNULL, stderr=(directory / "worker.log").open("w")))
@@ -158,7 +158,7 @@ def _kinds(s: Settings) -> list[str]:
 
 
 def bench_llama_server(s: Settings, directory: Path, build_jobs: int) -> dict:
-    from workers.bench.llama_server import _wait_healthy, gguf_checkpoint, server_binary
+    from rqbatcher.workers.bench.llama_server import _wait_healthy, gguf_checkpoint, server_binary
 
     binary, gguf = server_binary(build_jobs), gguf_checkpoint(s.model_dir, s.dtype)
     per_slot = -(-(s.prompt_tokens * 2 + s.output_tokens) // CONTEXT_ROUNDING) * CONTEXT_ROUNDING  # room to spare
@@ -181,8 +181,8 @@ def bench_llama_server(s: Settings, directory: Path, build_jobs: int) -> dict:
 def worker_ttfts(redis_url: str, sent: list[report.Sent]) -> list[float]:
     """The worker's own time to first token of each request (its engine's, from admitting the job to the first
     token: the result's `timings.ttft_s`), read from Redis by the job id in the response id."""
-    from batcher.client import Client
-    from batcher.openai.batch_lines import COMPLETION_ID_PREFIX
+    from rqbatcher.client import Client
+    from rqbatcher.openai.batch_lines import COMPLETION_ID_PREFIX
 
     client = Client(redis_url, queue=QUEUE)
     return [client.result(r.response_id.removeprefix(COMPLETION_ID_PREFIX), timeout=30).timings.ttft_s * 1000
@@ -195,9 +195,9 @@ def engine_ttfts(s: Settings, bodies: list[dict]) -> list[float]:
     admission) to its first token."""
     import torch
 
-    from batcher.config import EngineConfig
-    from batcher.openai.batch_lines import COMPLETIONS_URL, parse_body
-    from workers.engine.engine import build_engine
+    from rqbatcher.config import EngineConfig
+    from rqbatcher.openai.batch_lines import COMPLETIONS_URL, parse_body
+    from rqbatcher.workers.engine.engine import build_engine
 
     torch.set_num_threads(s.threads)
     engine = build_engine(EngineConfig(model=str(s.model_dir), dtype=s.dtype, device="cpu", max_num_seqs=s.slots,
@@ -230,7 +230,7 @@ def machine() -> dict:
         pass
     import torch
 
-    from workers.bench.llama_server import LLAMA_CPP_PYTHON_VERSION
+    from rqbatcher.workers.bench.llama_server import LLAMA_CPP_PYTHON_VERSION
 
     versions = {"torch": torch.__version__, "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION}
     try:
@@ -328,7 +328,7 @@ def main(model, dtype, threads, slots, budget, levels, sweep_size, seconds, prom
     """guidellm against batcher's gateway and llama-server: a markdown table per profile (JSON with --json)."""
     if sweep_size == 1:
         raise click.BadParameter("a sweep has at least 2 benchmarks (or 0: none)", param_hint="--sweep-size")
-    from workers.model.loading import resolve
+    from rqbatcher.workers.model.loading import resolve
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and guidellm on the way out
     settings = Settings(Path(resolve(model)), dtype, threads, slots, budget, _levels(levels), sweep_size, seconds,

@@ -1,6 +1,6 @@
 """Structured outputs on a real model: the issue's targets, measured in one process.
 
-    python -m workers.bench.experiments.structured_targets [--model smollm2] [--threads 1] [--skip-overhead]
+    python -m rqbatcher.workers.bench.experiments.structured_targets [--model smollm2] [--threads 1] [--skip-overhead]
 
 - answers: every schema of the suite (schemas/suite.jsonl) as a chat request, greedy and then sampled;
   the share of `stop` answers that parse and validate, and of bounded-schema answers that end with `stop`;
@@ -24,12 +24,12 @@ from dataclasses import replace
 import jsonschema
 import torch
 
-from batcher.config import EngineConfig
-from batcher.schema import GenerationRequest
-from workers.bench.experiments.grammar_libraries import load_suite, percentile
-from workers.bench.run import run_batcher
-from workers.bench.workload import load_workload
-from workers.engine.engine import Engine, build_engine
+from rqbatcher.config import EngineConfig
+from rqbatcher.schema import GenerationRequest
+from rqbatcher.workers.bench.experiments.grammar_libraries import load_suite, percentile
+from rqbatcher.workers.bench.run import run_batcher
+from rqbatcher.workers.bench.workload import load_workload
+from rqbatcher.workers.engine.engine import Engine, build_engine
 
 INSTRUCTION = " Answer in JSON."
 MAX_TOKENS = 256

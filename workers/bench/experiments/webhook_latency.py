@@ -1,6 +1,6 @@
 """How soon a webhook arrives after a batch ends, on an idle pool: `batcher webhooks worker` running, nothing queued.
 
-    python -m workers.bench.experiments.webhook_latency --rounds 10
+    python -m rqbatcher.workers.bench.experiments.webhook_latency --rounds 10
 
 Runs against a redis-server of its own (`workers.bench.private_redis`), a receiver on a loopback port (an endpoint
 added with private addresses allowed), and `batcher webhooks worker` as a subprocess. Each round creates a small
@@ -24,13 +24,13 @@ import click
 from redis import Redis
 from rq import Worker
 
-from batcher.client import Client
-from batcher.jobs import keys
-from batcher.webhooks import endpoints
-from batcher.webhooks.delivery import DELIVERY_QUEUE
-from workers.bench.letter_engine import LetterEngine
-from workers.bench.private_redis import private_redis
-from workers.job_worker.worker import JobWorker
+from rqbatcher.client import Client
+from rqbatcher.jobs import keys
+from rqbatcher.webhooks import endpoints
+from rqbatcher.webhooks.delivery import DELIVERY_QUEUE
+from rqbatcher.workers.bench.letter_engine import LetterEngine
+from rqbatcher.workers.bench.private_redis import private_redis
+from rqbatcher.workers.job_worker.worker import JobWorker
 
 QUEUE = "webhook-latency"
 TENANT = "key-00000000bench000"
@@ -104,7 +104,7 @@ def main(rounds: int, lines: int) -> None:
         url = "redis://127.0.0.1:{port}/0".format(**connection.connection_pool.connection_kwargs)
         endpoints.add(connection, f"http://127.0.0.1:{receiver.server_address[1]}/hook", tenant=TENANT,
                       allow_private_addresses=True)
-        worker = subprocess.Popen([sys.executable, "-m", "batcher", "webhooks", "worker", "--redis-url", url],
+        worker = subprocess.Popen([sys.executable, "-m", "rqbatcher", "webhooks", "worker", "--redis-url", url],
                                   stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + WORKER_START_TIMEOUT_S
