@@ -18,7 +18,7 @@ DEFAULT_BATCH_INVARIANT = True
 ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU = "auto", "torch", "triton", "cpu"
 ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU)
 DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, cpu for bf16 on an AVX-512 BF16 CPU, else torch
-DEFAULT_STEP_TIME_TARGET_S = 0.2  # while urgent work is about (batcher/scheduler/step_budget.py); 0: none
+DEFAULT_STEP_TIME_TARGET_S = 0.2  # while urgent work is about (workers/scheduler/step_budget.py); 0: none
 DEFAULT_MIN_BATCH_SHARE = 0.25  # of the slots, kept by batch work under any load of more urgent work
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rqbatcher.scheduler.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
+from rqbatcher.workers.scheduler.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
 
 
 def hashes_of(tokens, block_size):

@@ -20,7 +20,7 @@ EXPERIMENTS = "rqbatcher.workers.bench.experiments"
 BENCH_DOOR = "rqbatcher.workers.entrypoints"  # the one module that imports `batcher bench`, and only lazily
 RQ_INTERNALS = re.compile(r"_job_registry\b|\bFailedJobRegistry\b|intermediate_queue|\bclean_registries\b|"
                           r"_handle_success|_handle_failure|\bjob\._result\b|_stop_requested")
-SEQUENCE_WRITERS = ("rqbatcher.scheduler.scheduler", "rqbatcher.scheduler.sequence")
+SEQUENCE_WRITERS = ("rqbatcher.workers.scheduler.scheduler", "rqbatcher.workers.scheduler.sequence")
 
 
 def modules() -> dict[str, Path]:
@@ -114,11 +114,11 @@ def _crossings(source: str, forbidden: tuple[str, ...], third_party: tuple[str, 
 
 def test_the_scheduler_never_sees_redis_nor_the_job_system():
     forbidden = ("rqbatcher.jobs", "rqbatcher.batches", "rqbatcher.client")
-    assert _crossings("rqbatcher.scheduler", forbidden, ("redis", "rq")) == {}
+    assert _crossings("rqbatcher.workers.scheduler", forbidden, ("redis", "rq")) == {}
 
 
 def test_the_job_system_does_not_import_the_scheduler():
-    assert _crossings("rqbatcher.jobs", ("rqbatcher.scheduler",)) == {}
+    assert _crossings("rqbatcher.jobs", ("rqbatcher.workers.scheduler",)) == {}
 
 
 def test_the_model_imports_neither_the_engine_nor_the_job_worker():
@@ -171,7 +171,7 @@ def test_rq_internals_and_registries_are_used_in_the_adapter_alone():
 def test_only_the_scheduler_writes_a_sequences_state():
     """No module that handles sequences, but the scheduler (and the sequence's own), assigns or grows in place a
     field that `Sequence` has, on anything but `self`."""
-    fields = {node.target.id for node in ast.walk(ast.parse((ROOT / "batcher/scheduler/sequence.py").read_text()))
+    fields = {node.target.id for node in ast.walk(ast.parse((ROOT / "workers/scheduler/sequence.py").read_text()))
               if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     mutators = {"append", "extend", "clear", "pop", "insert", "remove"}
 

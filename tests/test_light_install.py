@@ -22,7 +22,7 @@ def test_core_imports_without_torch():
 
 
 def test_issue_one_liner():
-    code = "import rqbatcher.client, rqbatcher.scheduler, sys; assert 'torch' not in sys.modules"
+    code = "import rqbatcher.client, rqbatcher.workers.scheduler, sys; assert 'torch' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from rqbatcher.scheduler.sequence import Sequence
 from rqbatcher.schema import GenerationRequest, SamplingParams
 from rqbatcher.workers.engine.choices import choice_seed
 from rqbatcher.workers.engine.sampling import Sampler, inverse_cdf, philox4x32, position_uniforms
+from rqbatcher.workers.scheduler.sequence import Sequence
 from tests.engine_helpers import engine_for, random_prompts, run_all
 
 VOCAB = 16

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rqbatcher.config import EngineConfig
-from rqbatcher.scheduler import Scheduler, StepPlan
-from rqbatcher.scheduler.blocks import BlockAllocator
-from rqbatcher.scheduler.sequence import Sequence, SequenceStatus
 from rqbatcher.schema import SamplingParams
+from rqbatcher.workers.scheduler import Scheduler, StepPlan
+from rqbatcher.workers.scheduler.blocks import BlockAllocator
+from rqbatcher.workers.scheduler.sequence import Sequence, SequenceStatus
 
 TOKEN = 7
 

@@ -10,11 +10,11 @@ import torch
 from rqbatcher.jobs import admin, keys
 from rqbatcher.jobs.worker_stats import WorkerStats
 from rqbatcher.logit_bias import logit_bias_problem
-from rqbatcher.scheduler.sequence import Sequence
 from rqbatcher.schema import GenerationRequest, SamplingParams
 from rqbatcher.workers.engine.api import RequestError
 from rqbatcher.workers.engine.sampling import Sampler, apply_frequency_presence, apply_logit_bias
 from rqbatcher.workers.job_worker.worker import JobWorker
+from rqbatcher.workers.scheduler.sequence import Sequence
 from tests import fake_engine
 from tests.engine_helpers import engine_for, greedy, run_all
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture  # noqa: F401

@@ -6,10 +6,10 @@ sequence that samples this step draws token 7."""
 import itertools
 
 from rqbatcher.config import EngineConfig
-from rqbatcher.scheduler import Scheduler
-from rqbatcher.scheduler.blocks import BlockAllocator
-from rqbatcher.scheduler.sequence import Sequence, SequenceStatus
 from rqbatcher.schema import SamplingParams
+from rqbatcher.workers.scheduler import Scheduler
+from rqbatcher.workers.scheduler.blocks import BlockAllocator
+from rqbatcher.workers.scheduler.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=100, block_size=4, **cfg):

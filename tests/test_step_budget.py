@@ -1,15 +1,15 @@
-"""Steps sized to a latency target (batcher/scheduler/step_cost.py, step_budget.py) with a fake clock and a cost
-model fed known step times; then fairness between interactive tenants by preemption (batcher/scheduler/
+"""Steps sized to a latency target (workers/scheduler/step_cost.py, step_budget.py) with a fake clock and a cost
+model fed known step times; then fairness between interactive tenants by preemption (workers/scheduler/
 preemption.py), on the scheduler and, for tokens, on a tiny real model."""
 
 from __future__ import annotations
 
 import pytest
 
-from rqbatcher.scheduler import preemption, step_budget
-from rqbatcher.scheduler.preemption import FAIRNESS_INTERVAL_STEPS, NEAR_END_TOKENS
-from rqbatcher.scheduler.step_cost import StepCostModel
 from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY
+from rqbatcher.workers.scheduler import preemption, step_budget
+from rqbatcher.workers.scheduler.preemption import FAIRNESS_INTERVAL_STEPS, NEAR_END_TOKENS
+from rqbatcher.workers.scheduler.step_cost import StepCostModel
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.test_scheduler import make, simulate_step
 from tests.test_urgency_scheduling import classed

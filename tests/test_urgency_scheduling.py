@@ -1,4 +1,4 @@
-"""Preemption for urgency in the engine (batcher/scheduler/preemption.py through the scheduler), and its bounds; then on
+"""Preemption for urgency in the engine (workers/scheduler/preemption.py through the scheduler), and its bounds; then on
 a tiny real model, a sequence preempted for urgency resumes to the same greedy fp32 tokens."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class WorkerStats:
     dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved); unknown from an older worker
     prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over those looked up, since start
     in_flight_by_class: str = ""  # e.g. "interactive=2,batch=30" (batcher/service_class.py)
-    step_time_target_s: float = 0.0  # while urgent work is about (batcher/scheduler/step_budget.py); 0: none
+    step_time_target_s: float = 0.0  # while urgent work is about (workers/scheduler/step_budget.py); 0: none
     step_s: float = 0.0  # the engine's recent step time, measured (a moving average)
     vocab_size: int = 0  # its model's; the gateway refuses a logit_bias id past it (batcher/logit_bias.py); 0: unknown
     tasks: str = "generate"  # what it serves, comma-separated: generate, embed (`--task`, or its model's config)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rqbatcher.scheduler.step_budget import QUIET_S
+from rqbatcher.workers.scheduler.step_budget import QUIET_S
 from tests.e2e.test_urgency import completed, create_batch, sdk, wait_done
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.engine_helpers import random_prompts

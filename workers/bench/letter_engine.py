@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from rqbatcher.scheduler.blocks import PrefixCacheStats
 from rqbatcher.schema import GenerationRequest
 from rqbatcher.workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
+from rqbatcher.workers.scheduler.blocks import PrefixCacheStats
 
 FIRST_TOKEN = 65  # "A"
 EMBEDDING_SIZE = 8

@@ -22,13 +22,13 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.streamers import BaseStreamer
 
 from rqbatcher.config import EngineConfig
-from rqbatcher.scheduler.blocks import blocks_needed
 from rqbatcher.workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from rqbatcher.workers.bench.workload import WorkloadRequest
 from rqbatcher.workers.engine.engine import WARMUP_REQUEST
 from rqbatcher.workers.model.loading import resolve
 from rqbatcher.workers.model.precision import DTYPES
 from rqbatcher.workers.model.runner import resolve_device
+from rqbatcher.workers.scheduler.blocks import blocks_needed
 
 HF_ATTENTION = "sdpa"
 PAD_TOKEN_ID = 0  # left padding is masked out, so any id works

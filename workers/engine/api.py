@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from rqbatcher.scheduler.blocks import PrefixCacheStats
 from rqbatcher.schema import Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
+from rqbatcher.workers.scheduler.blocks import PrefixCacheStats
 
 
 class RequestError(ValueError):

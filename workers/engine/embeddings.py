@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from rqbatcher.config import TASK_EMBED, TASK_GENERATE
-from rqbatcher.scheduler.sequence import Sequence
 from rqbatcher.schema import GenerationRequest
 from rqbatcher.service_class import class_of, urgency_of
 from rqbatcher.workers.engine.api import RequestError, RequestOutput
 from rqbatcher.workers.model.loading import LoadedModel, ModelLoadError
 from rqbatcher.workers.model.pooling import POOL_FIRST, POOL_LAST, POOL_MEAN, EmbeddingFacts
+from rqbatcher.workers.scheduler.sequence import Sequence
 
 INPUT_SEPARATOR = "#input"  # an input's sequence id: <request id>#input<i>
 WIRE_DTYPE = np.dtype("<f4")  # OpenAI's base64 embeddings: little-endian float32

@@ -19,9 +19,6 @@ import torch
 
 from rqbatcher.config import TASK_EMBED, TASK_GENERATE, EngineConfig
 from rqbatcher.logit_bias import logit_bias_problem
-from rqbatcher.scheduler import Scheduler, StepPlan
-from rqbatcher.scheduler.blocks import BlockAllocator, blocks_needed
-from rqbatcher.scheduler.sequence import Sequence, SequenceStatus
 from rqbatcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from rqbatcher.service_class import CLASSES, class_of, urgency_of
 from rqbatcher.tools.prompt import chat_inputs, template_reads_tools
@@ -34,6 +31,9 @@ from rqbatcher.workers.engine.sampling import Sampler
 from rqbatcher.workers.engine.structured import Grammars
 from rqbatcher.workers.model.loading import LoadedModel
 from rqbatcher.workers.model.runner import ModelRunner
+from rqbatcher.workers.scheduler import Scheduler, StepPlan
+from rqbatcher.workers.scheduler.blocks import BlockAllocator, blocks_needed
+from rqbatcher.workers.scheduler.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 

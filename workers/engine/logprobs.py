@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rqbatcher.scheduler.sequence import Sequence
 from rqbatcher.schema import TokenLogprob, TopLogprob
+from rqbatcher.workers.scheduler.sequence import Sequence
 
 TOKEN_TEXT_CACHE_SIZE = 1 << 16
 IMPOSSIBLE_LOGPROB = -9999.0  # what OpenAI reports for a token of no probability (JSON has no -inf)

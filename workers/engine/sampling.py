@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rqbatcher.scheduler.sequence import Sequence
 from rqbatcher.schema import SamplingParams
+from rqbatcher.workers.scheduler.sequence import Sequence
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from rqbatcher.scheduler import StepPlan
-from rqbatcher.scheduler.sequence import Sequence
 from rqbatcher.schema import GenerationRequest
 from rqbatcher.workers.engine.api import RequestError
+from rqbatcher.workers.scheduler import StepPlan
+from rqbatcher.workers.scheduler.sequence import Sequence
 
 COMPILE_TIMEOUT_S = 2.0
 COMPILE_THREADS = 2  # a compile past its bound keeps its thread until llguidance's own limits stop it

@@ -8,7 +8,7 @@ All of them are observed when a job ends, from its result's timings and usage an
 - `batcher_fairness_preemptions_total`: interactive sequences preempted for another tenant's (apart from those);
 - `batcher_step_seconds{mix}`: each step's wall time, by the classes of work it carried ("interactive+batch");
 - `batcher_step_prompt_token_budget`: the prompt tokens the last step could take: the step-time target's while
-  urgent work is about (batcher/scheduler/step_budget.py), else the full token budget.
+  urgent work is about (workers/scheduler/step_budget.py), else the full token budget.
 Tenants are labels only for the first MAX_TENANT_LABELS a worker sees; the rest count as `other`, so a pool
 with thousands of keys keeps a bounded number of series.
 """

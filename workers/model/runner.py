@@ -42,14 +42,14 @@ from rqbatcher.kernels.attention import (
     step_metadata,
 )
 from rqbatcher.kernels.triton_attention import FlatAttentionMetadata
-from rqbatcher.scheduler import StepPlan
-from rqbatcher.scheduler.sequence import Sequence
 from rqbatcher.workers.model.attention_backend import resolve_attention_backend
 from rqbatcher.workers.model.compiled_forward import CompiledForward
 from rqbatcher.workers.model.fused_decoder import FusedDecoder
 from rqbatcher.workers.model.loading import LoadedModel
 from rqbatcher.workers.model.packed_linear import can_pack, fp32_rows_native, pack_linears, route_fp32_linears
 from rqbatcher.workers.model.precision import DTYPES
+from rqbatcher.workers.scheduler import StepPlan
+from rqbatcher.workers.scheduler.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ from redis import Redis
 
 from rqbatcher.config import DTYPES
 from rqbatcher.jobs import keys
-from rqbatcher.scheduler.step_budget import QUIET_S
 from rqbatcher.workers.bench.experiments.gateway_cost import _wait, stop_all
 from rqbatcher.workers.bench.private_redis import free_port, start_redis_server
 from rqbatcher.workers.bench.report import _cpu_name
+from rqbatcher.workers.scheduler.step_budget import QUIET_S
 
 QUEUE = "bench"
 READY_S = 300

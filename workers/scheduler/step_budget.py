@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from rqbatcher.scheduler.step_cost import StepCostModel
+from rqbatcher.workers.scheduler.step_cost import StepCostModel
 
 QUIET_S = 10.0  # how long after the last urgent work the target still binds (a pause between requests)
 BATCH_PROMPT_FLOOR = 32  # tokens: two blocks of 16

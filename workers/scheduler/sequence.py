@@ -1,6 +1,6 @@
 """A sequence: one request inside the engine, with its tokens, progress, KV blocks and times.
 
-The scheduler (`rqbatcher.scheduler`) is the only writer of a sequence's fields: it admits, advances, preempts and
+The scheduler (`workers.scheduler`) is the only writer of a sequence's fields: it admits, advances, preempts and
 finishes sequences. Everything outside the engine sees a request through the plain outputs and snapshots the
 engine returns (`rqbatcher.workers.engine.api`), never a live sequence.
 """

@@ -4,6 +4,6 @@
 cache are in blocks.py, and which running sequence gives way to more urgent work in preemption.py.
 """
 
-from rqbatcher.scheduler.scheduler import Scheduler, StepPlan
+from rqbatcher.workers.scheduler.scheduler import Scheduler, StepPlan
 
 __all__ = ["Scheduler", "StepPlan"]

@@ -3,11 +3,11 @@
 `schedule()` decides what the next forward computes (a `StepPlan`); `update()` takes what it sampled and
 advances every sequence (computed tokens, new tokens, timestamps, EOS and length stops); `finish()` ends one
 early (a stop string, a cancel, a failure). The engine between them only executes, so every change of a
-sequence's state (`rqbatcher.scheduler.sequence`) is made here.
+sequence's state (`rqbatcher.workers.scheduler.sequence`) is made here.
 
 Continuous policy, every step:
   0. a waiting sequence of a more urgent class that no slot or KV block would admit preempts the least
-     urgent running one (batcher/scheduler/preemption.py: bounded so that batch work keeps its minimum share),
+     urgent running one (workers/scheduler/preemption.py: bounded so that batch work keeps its minimum share),
      and an interactive one of a tenant holding no slot preempts one of the most-served tenant's (fairness);
   1. running decodes take one token each, then running prefills take their next prompt chunk (those of a
      less urgent class than a waiting sequence only after the waiting are admitted);
@@ -15,11 +15,11 @@ Continuous policy, every step:
      KV blocks allow, a long prompt with only the chunk that fits (chunked prefill);
   3. when KV blocks run out, the least urgent (latest-admitted among equals) running sequence is preempted
      by recompute: its blocks are freed and it goes back to the front of the queue.
-While urgent work is about, prompt chunks are sized to the step-time target (batcher/scheduler/step_budget.py,
+While urgent work is about, prompt chunks are sized to the step-time target (workers/scheduler/step_budget.py,
 from the step costs measured so far: `record_step`). The static policy is the baseline: it admits only into an
 empty batch and prefills whole prompts.
 
-Prefix caching (`rqbatcher.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its
+Prefix caching (`rqbatcher.workers.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its
 tokens, counted as computed, and always computes at least its last token (it needs its logits). Embedding inputs
 (`Sequence.embed`) neither read nor fill the cache, and end after their last prompt chunk, sampling nothing.
 Admission and preemption count only the blocks a sequence newly needs. Full blocks are named in the
@@ -37,12 +37,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rqbatcher.config import EngineConfig
-from rqbatcher.scheduler import preemption
-from rqbatcher.scheduler.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
-from rqbatcher.scheduler.sequence import Sequence, SequenceStatus
-from rqbatcher.scheduler.step_budget import StepBudget
-from rqbatcher.scheduler.step_cost import StepCostModel
 from rqbatcher.service_class import INTERACTIVE
+from rqbatcher.workers.scheduler import preemption
+from rqbatcher.workers.scheduler.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
+from rqbatcher.workers.scheduler.sequence import Sequence, SequenceStatus
+from rqbatcher.workers.scheduler.step_budget import StepBudget
+from rqbatcher.workers.scheduler.step_cost import StepCostModel
 
 
 @dataclass
@@ -243,7 +243,7 @@ class Scheduler:
     def _preempt_for_urgency(self, plan: StepPlan) -> None:
         """Before anything is scheduled: preempt less urgent running sequences for the more urgent waiting ones
         that no slot or KV block would admit this step, most urgent first, and a sequence of the most-served
-        tenant for an interactive one of a tenant holding no slot, within `rqbatcher.scheduler.preemption`'s bounds."""
+        tenant for an interactive one of a tenant holding no slot, within `scheduler.preemption`'s bounds."""
         if not self.running or not self.waiting:
             return
         slots = self.config.max_num_seqs - len(self.running)

@@ -1,5 +1,5 @@
 """Preemption for urgency: which running sequence gives way to a more urgent waiting one, and which waiting
-sequence is admitted next (pure Python, used by `rqbatcher.scheduler`).
+sequence is admitted next (pure Python, used by `rqbatcher.workers.scheduler`).
 
 A sequence's `urgency` is (class rank, priority level), lower first (`rqbatcher.service_class.urgency_of`). When a
 waiting sequence of a more urgent class finds no slot or KV block free, the least urgent running sequence of a
