@@ -339,6 +339,8 @@ class StreamEvent(_Tolerant):
     error: str | None = None
     logprobs: list[TokenLogprob] | None = Field(None, description="of `token_ids`, when the request asked")
     choice: int = Field(0, description="which of the request's n answers a token event belongs to")
+    result: GenerationResult | None = Field(None, description="on `done`: the whole result, every choice's finish "
+                                                              "reason included, so a reader needs no second read")
 
     @property
     def terminal(self) -> bool:

@@ -92,12 +92,13 @@ def readable_request(job: Job) -> GenerationRequest | None:
 # ----- how a job ends -----
 def terminal_event(status: EndStatus, result: GenerationResult | None = None, reason: str | None = None,
                    execution_id: str | None = None) -> StreamEvent:
-    """The last event of a job's stream: `done` with the finish reason and usage, or `error` with the reason."""
+    """The last event of a job's stream: `done` with the finish reason, usage and whole result, or `error` with
+    the reason."""
     if status == "failed":
         return StreamEvent(type="error", execution_id=execution_id, error=reason)
     return StreamEvent(type="done", execution_id=execution_id,
                        finish_reason="cancelled" if result is None else result.finish_reason,
-                       usage=None if result is None else result.usage)
+                       usage=None if result is None else result.usage, result=result)
 
 
 def record_end(pipe, job: Job, queue: Queue, status: EndStatus, *, request: GenerationRequest | None,
