@@ -1,6 +1,6 @@
 """The package's metadata is in pyproject.toml; this adds one build step: the CPU kernels (kernels/csrc), both
-builds, compiled into the wheel's `kernels/_prebuilt/` by `python -m kernels.build`'s code, where torch and a C++
-compiler are in the build environment.
+builds, compiled into the wheel's `rqbatcher/kernels/_prebuilt/` by `python -m rqbatcher.kernels.build`'s code,
+where torch and a C++ compiler are in the build environment.
 
 torch is deliberately not a build requirement: with pip's build isolation (the default) the build environment
 has setuptools only, so the wheel is the light, pure one (`pip install rqbatcher` for producers never pulls torch)
@@ -30,7 +30,7 @@ SKIP_ENV = "BATCHER_KERNELS_AT_INSTALL"
 # Each folder of the checkout and the import name it installs under: `batcher`, `workers` and `kernels` are other
 # distributions' names on the package registry (Hugging Face's `kernels` among them), `rqbatcher` is ours.
 PACKAGE_FOLDERS = {"rqbatcher": "batcher", "rqbatcher.workers": "workers", "rqbatcher.kernels": "kernels"}
-NOT_SHIPPED = ["bench.experiments", "bench.experiments.*"]  # development experiments: run from a checkout
+# benchmarks/ and tests/ (the fake engines among them) are not mapped: they run from a checkout and never ship.
 PACKAGE_DATA = {"rqbatcher": ["data/*.jsonl"], "rqbatcher.workers": ["bench/workloads/*.jsonl"],
                 "rqbatcher.kernels": ["csrc/*.cpp", "csrc/*.h"]}
 
@@ -39,7 +39,7 @@ def packages() -> list[str]:
     """Every package under the mapped folders, by its installed name."""
     found = []
     for name, folder in PACKAGE_FOLDERS.items():
-        found += [name] + [f"{name}.{sub}" for sub in find_packages(HERE / folder, exclude=NOT_SHIPPED)]
+        found += [name] + [f"{name}.{sub}" for sub in find_packages(HERE / folder)]
     return found
 
 
@@ -62,7 +62,7 @@ class BuildPyWithKernels(build_py):
         super().run()
         target = Path(self.build_lib) / "rqbatcher" / "kernels" / "_prebuilt"
         shutil.rmtree(target, ignore_errors=True)  # never a stale copy from an earlier build
-        if self.editable_mode:  # an editable install reads the checkout: `python -m kernels.native` builds there
+        if self.editable_mode:  # an editable install reads the checkout, where `make setup` builds the kernels
             return
         reason = why_no_kernels()
         if reason is not None:

@@ -299,8 +299,8 @@ def load(build: Build, build_missing: bool):
 
         raise NotReady(f"not built for these sources and torch {torch.__version__}"
                        + (f" ({busy})" if busy else "")
-                       + f": `python -m kernels.native` builds them ({estimate([build])}); a worker started with "
-                         f"{BUILD_ENV}=1 builds them at its start")
+                       + f": `python -m rqbatcher.kernels.native` builds them ({estimate([build])}); a worker "
+                         f"started with {BUILD_ENV}=1 builds them at its start")
     try:
         return import_library(build, path)
     except Exception as error:  # noqa: BLE001  (a damaged file, a library torch does not match)

@@ -50,12 +50,12 @@ def fresh_venv_with_the_image_install(tmp_path) -> tuple[Path, Path]:
                             "-q", "-w", str(wheels), str(context)], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "BATCHER_KERNELS_AT_INSTALL": "0"})
     assert built.returncode == 0, built.stderr
-    (wheel,) = wheels.glob("batcher-*.whl")
+    (wheel,) = wheels.glob("rqbatcher-*.whl")
     assert wheel.name.endswith("-py3-none-any.whl")  # no kernels inside: a pure wheel
     with zipfile.ZipFile(wheel) as contents:  # but its workers are asked to build them at their start
-        assert f"kernels/_prebuilt/{builds.BUILD_AT_START}" in contents.namelist()
+        assert f"rqbatcher/kernels/_prebuilt/{builds.BUILD_AT_START}" in contents.namelist()
         assert not [n for n in contents.namelist() if "/experiments/" in n], "development experiments left out"
-        assert "workers/bench/run.py" in contents.namelist(), "`batcher bench` ships"
+        assert "rqbatcher/workers/bench/run.py" in contents.namelist(), "`batcher bench` ships"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -110,7 +110,7 @@ def run_the_image_kernel_step(tmp_path, extra: str = "") -> tuple[Path, Path, di
     step = subprocess.run(["sh", "-c", command + extra], cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=1500)
     assert step.returncode == 0, step.stdout + step.stderr
-    assert "building the" in step.stderr and str(site / "kernels" / "_prebuilt") in step.stderr
+    assert "building the" in step.stderr and str(site / "rqbatcher" / "kernels" / "_prebuilt") in step.stderr
     # The runtime stage: no compiler, only the venv. Load from the package's _prebuilt alone.
     env["CXX"] = str(tmp_path / "no-compiler")
     probe = subprocess.run([str(python), "-c", PROBE], cwd=workdir, env=env, capture_output=True, text=True,
@@ -125,7 +125,7 @@ def run_the_image_kernel_step(tmp_path, extra: str = "") -> tuple[Path, Path, di
 def test_the_dockerfile_kernel_step_in_a_fresh_venv_builds_a_folder_that_loads_without_a_compiler(tmp_path):
     """The image's step with `--only fp32` (the build of 4 sources; the full step is the slow variant)."""
     _, site, found = run_the_image_kernel_step(tmp_path, " --only fp32")
-    prebuilt = site / "kernels" / "_prebuilt"
+    prebuilt = site / "rqbatcher" / "kernels" / "_prebuilt"
     assert found == {"fp32": str(builds.library(native.FP32, prebuilt))}
     (folder,) = [p for p in (prebuilt / native.FP32.name).iterdir() if p.is_dir()]  # one whole build, none half
     assert folder.name == builds.key(native.FP32) and builds.lock(native.FP32, prebuilt).record() is None
@@ -136,6 +136,6 @@ def test_the_dockerfile_kernel_step_in_a_fresh_venv_builds_a_folder_that_loads_w
 @pytest.mark.timeout(1800)
 def test_the_dockerfile_kernel_step_as_written_carries_both_builds(tmp_path):
     _, site, found = run_the_image_kernel_step(tmp_path)
-    prebuilt = site / "kernels" / "_prebuilt"
+    prebuilt = site / "rqbatcher" / "kernels" / "_prebuilt"
     assert found == {"bf16": str(builds.library(native.BF16, prebuilt)),
                      "fp32": str(builds.library(native.FP32, prebuilt))}

@@ -119,8 +119,9 @@ def test_load_never_compiles_unless_asked_and_says_how_to_build(tmp_path, monkey
     monkeypatch.setattr(builds, "PREBUILT", tmp_path / "prebuilt")
     monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))  # a compile attempt would fail loudly
     tiny = tiny_build(tmp_path / "src", 1)
-    with pytest.raises(builds.NotReady, match=r"not built for these sources and torch .*`python -m kernels.native` "
-                                              r"builds them \(about 1 min on \d+ cores?\)"):
+    with pytest.raises(builds.NotReady, match=r"not built for these sources and torch "
+                                              r".*`python -m rqbatcher.kernels.native` builds them "
+                                              r"\(about 1 min on \d+ cores?\)"):
         builds.load(tiny, build_missing=False)
     assert not (tmp_path / "cache").exists()  # nothing written, nothing compiled
     with pytest.raises(builds.NotReady, match=r"no-compiler: No such file or directory"):  # asked, but no compiler
@@ -261,8 +262,8 @@ def kill_a_worker_midway_through_its_build(tmp_path, tiny_model_dir, url: str, c
             assert killed.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, f"the worker did not start its build: {log_path.read_text()}"
             time.sleep(0.1)
-        assert re.search(rf"WARNING kernels.build: building the {build.label} CPU kernels \({len(build.sources)} "
-                         r"sources\) under "
+        assert re.search(rf"WARNING rqbatcher.kernels.build: building the {build.label} CPU kernels "
+                         rf"\({len(build.sources)} sources\) under "
                          rf"{re.escape(str(cache))}: this takes about \d+ min on \d+ cores?", log_path.read_text())
     finally:
         kill_group(killed)
@@ -299,14 +300,15 @@ def test_a_worker_killed_midway_through_a_kernel_build_leaves_the_next_worker_se
     log = log_path.read_text()
     build = native_build_here()[0]
     lock = builds.lock(build, cache)
-    assert re.search(rf"WARNING kernels.build_lock: the {build.label} CPU kernels' build by pid {dead} on \S+ "
-                     rf"\(started \d+ s ago\) never finished: its process died and left its lock "
+    assert re.search(rf"WARNING rqbatcher.kernels.build_lock: the {build.label} CPU kernels' build by pid {dead} "
+                     rf"on \S+ \(started \d+ s ago\) never finished: its process died and left its lock "
                      rf"\({re.escape(str(lock.path))}\), which is now free; cleared it and its partial build "
                      rf"\(1 folder\(s\)\)", log), log
-    assert re.search(rf"WARNING kernels.native: {build.label} CPU kernels unavailable \(not built for these sources "
-                     r"and torch "
-                     r".*`python -m kernels.native` builds them \(about \d+ min on \d+ cores?\); a worker started "
-                     r"with BATCHER_BUILD_KERNELS=1 builds them at its start\): torch's kernels run instead", log), log
+    assert re.search(rf"WARNING rqbatcher.kernels.native: {build.label} CPU kernels unavailable \(not built for "
+                     r"these sources and torch "
+                     r".*`python -m rqbatcher.kernels.native` builds them \(about \d+ min on \d+ cores?\); a worker "
+                     r"started with BATCHER_BUILD_KERNELS=1 builds them at its start\): torch's kernels run instead",
+                     log), log
     assert lock.record() is None and not list(lock.folder.parent.glob(".*.tmp-*"))
 
 
