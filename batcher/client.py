@@ -26,12 +26,14 @@ from rqbatcher.batches.batch_object import (
     BatchInputError,
     BatchNotFound,
 )
+from rqbatcher.batches.lines import record_outcome_on
 from rqbatcher.batches.store import BatchStore
 from rqbatcher.errors import BatcherError
 from rqbatcher.jobs import connection as redis_connection
 from rqbatcher.jobs import durability, keys
 from rqbatcher.jobs import life as job_life
 from rqbatcher.jobs.admin import list_workers
+from rqbatcher.jobs.ends import TERMINAL_STATUSES
 from rqbatcher.jobs.enqueue import (
     DEFAULT_FAILURE_TTL_S,
     DEFAULT_MAX_QUEUE_LENGTH,
@@ -42,7 +44,6 @@ from rqbatcher.jobs.enqueue import (
     as_request,
 )
 from rqbatcher.jobs.feed import DEFAULT_CLAIM_IDLE_S, Completion, follow
-from rqbatcher.jobs.life import TERMINAL_STATUSES
 from rqbatcher.jobs.redis_retry import retry_while_unreachable
 from rqbatcher.jobs.stream import Read, read_events
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult, SamplingParams, StreamEvent
@@ -185,7 +186,8 @@ class Client:
         """Cancel a job: a queued one never runs, a running one stops within one step (its partial text stays in
         its stream), and one whose worker was lost is not started again. False if the job had already ended."""
         job = self._fetch(job_id)
-        cancelled = job_life.cancel(self.connection, job, self._status(job), self.enqueuer.replica_wait)
+        cancelled = job_life.cancel(self.connection, job, self._status(job), record_outcome_on,
+                                    self.enqueuer.replica_wait)
         if cancelled:  # a queued background response's end was announced on the webhook outbox
             dispatch_after(self.connection, f"the cancel of job {job_id}")
         return cancelled

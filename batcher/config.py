@@ -18,7 +18,10 @@ DEFAULT_BATCH_INVARIANT = True
 ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU = "auto", "torch", "triton", "cpu"
 ATTENTION_BACKENDS = (ATTENTION_AUTO, ATTENTION_TORCH, ATTENTION_TRITON, ATTENTION_CPU)
 DEFAULT_ATTENTION_BACKEND = ATTENTION_AUTO  # triton on CUDA, cpu for bf16 on an AVX-512 BF16 CPU, else torch
-DEFAULT_STEP_TIME_TARGET_S = 0.2  # while urgent work is about (workers/scheduler/step_budget.py); 0: none
+# While urgent work is about, batch prompt work is cut to a step-time target (workers/scheduler/step_budget.py).
+# None: measured on the machine, a multiple of the decode-only step its cost model predicts; a number overrides it
+# (seconds; 0: none).
+DEFAULT_STEP_TIME_TARGET_S = None
 DEFAULT_MIN_BATCH_SHARE = 0.25  # of the slots, kept by batch work under any load of more urgent work
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # /metrics has no authentication: other hosts reach it only when asked
 
@@ -49,7 +52,7 @@ class EngineConfig:
     batch_invariant: bool = DEFAULT_BATCH_INVARIANT  # bf16 on a CPU where rqbatcher.kernels.native runs; fp32 always is
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     min_batch_share: float = DEFAULT_MIN_BATCH_SHARE
-    step_time_target: float = DEFAULT_STEP_TIME_TARGET_S  # seconds; 0 turns the target off
+    step_time_target: float | None = DEFAULT_STEP_TIME_TARGET_S  # seconds; None: measured; 0 turns it off
     tasks: tuple[str, ...] = ()  # of TASKS; empty: the model's nature (embedding model: embed, causal LM: generate)
 
     def __post_init__(self) -> None:
@@ -62,7 +65,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not 0.0 <= self.min_batch_share <= 1.0:
             raise ValueError(f"min_batch_share is a fraction of the slots, 0 to 1, got {self.min_batch_share}")
-        if self.step_time_target < 0:
+        if self.step_time_target is not None and self.step_time_target < 0:
             raise ValueError(f"step_time_target is in seconds, 0 or more, got {self.step_time_target}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rqbatcher import constraints
 from rqbatcher.response_format import ResponseFormat
 from rqbatcher.sampling_params import SamplingParams
+from rqbatcher.service_class import ServiceClass
 from rqbatcher.tools import definitions as tool_defs
 from rqbatcher.tools.definitions import Tool, ToolCall, ToolChoice
 from rqbatcher.tools.grammar import tool_grammar
@@ -92,7 +93,7 @@ class GenerationRequest(_Strict):
     model: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     chat: bool = False
     batch: BatchItem | None = None
-    service_class: Literal["priority", "interactive", "batch"] | None = Field(
+    service_class: ServiceClass | None = Field(
         None, description="None: batch for a batch line, interactive otherwise (batcher/service_class.py)")
     tenant: str | None = Field(None, pattern=r"^[A-Za-z0-9_.@-]{1,128}$",
                                description="whose work this is: a gateway key's tenant, a batch's owner")

@@ -1,8 +1,8 @@
 """The test suite's stand-in for rqbatcher.workers.engine.engine.Engine: the bench's engine without a model
-(`rqbatcher.workers.bench.letter_engine`), plus the faults a test needs.
+(`tests.letter_engine`), plus the faults a test needs.
 
 Each request generates one token per step: token i of the output is `FIRST_TOKEN + i`, whose text is
-one letter; it serves embedding requests too (`workers.bench.letter_engine.letter_vector`: EMBEDDING_SIZE numbers
+one letter; it serves embedding requests too (`tests.letter_engine.letter_vector`: EMBEDDING_SIZE numbers
 from each input, and any shorter `dimensions`). A prompt containing "boom" fails in its first step, the way the
 engine reports an exception inside one request's forward; a prompt of "too long" is refused by `add`.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rqbatcher.schema import GenerationRequest
-from rqbatcher.workers.bench.letter_engine import FIRST_TOKEN, LetterEngine
 from rqbatcher.workers.engine.api import EngineStats, Progress, RequestError, RequestOutput
+from tests.letter_engine import FIRST_TOKEN, LetterEngine
 
 VOCAB_SIZE = 256  # what it publishes: its tokens are letters
 

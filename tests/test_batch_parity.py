@@ -19,7 +19,7 @@ from rqbatcher.client import Client
 from rqbatcher.jobs import keys
 from rqbatcher.jobs.life import decode_request
 from rqbatcher.openai.embeddings_body import EMBEDDINGS_URL
-from rqbatcher.openai.responses_body import RESPONSES_URL
+from rqbatcher.openai.responses.responses_body import RESPONSES_URL
 from rqbatcher.schema import GenerationResult, Usage
 from rqbatcher.service_class import BATCH
 from rqbatcher.webhooks.event_payload import from_outbox_entry

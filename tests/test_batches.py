@@ -1,7 +1,7 @@
 """Batches, the completion feed and model routing in the core, on fakeredis (with Lua).
 
-A "worker" here records a job's outcome (`record_outcome_on`) inside a MULTI pipeline, as `job_life.record_end`
-does for the real worker."""
+A "worker" here records a job's outcome (`record_outcome_on`) inside a MULTI pipeline, as
+`rqbatcher.jobs.ends.record_end` does for the real worker."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from rqbatcher.client import Client
 from rqbatcher.jobs import keys
 from rqbatcher.jobs.life import decode_request
 from rqbatcher.jobs.queues import class_queue
+from rqbatcher.jobs.worker_stats import WorkerStats
 from rqbatcher.schema import GenerationResult, Usage
 from rqbatcher.service_class import BATCH
 from tests.jobs_support import fake_redis_fixture  # noqa: F401
@@ -265,9 +266,9 @@ def test_queues_report_the_model_each_routes_to_and_whether_a_live_worker_serves
 
     client = Client(fake_redis)
     client.submit_many([{"prompt": "x", "model": "m1"}, {"prompt": "y", "model": "m2"}, "z"])
-    fake_redis.hset(keys.worker_stats_key("w1"), mapping={
-        "name": "w1", "host": "h", "pid": 1, "queues": "batcher", "model": "m1", "state": "idle", "in_flight": 0,
-        "free_slots": 8, "kv_usage": 0, "tokens_per_s": 0, "last_heartbeat": time.time()})
+    stats = WorkerStats(name="w1", host="h", pid=1, queues="batcher", model="m1", state="idle", in_flight=0,
+                        free_slots=8, kv_usage=0, tokens_per_s=0, last_heartbeat=time.time())
+    fake_redis.hset(keys.worker_stats_key("w1"), mapping=stats.to_dict())
     fake_redis.sadd(keys.WORKERS_SET, "w1")
     rows = {r.model: r for r in queue_overview(fake_redis, keys.DEFAULT_QUEUE) if r.queued}
     assert {m: (r.queued, r.served) for m, r in rows.items()} == {None: (1, True), "m1": (1, True), "m2": (1, False)}

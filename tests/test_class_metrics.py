@@ -9,6 +9,7 @@ from rqbatcher.schema import Timings
 from rqbatcher.workers.job_worker import class_metrics
 from rqbatcher.workers.job_worker.class_metrics import ClassMetrics, combined_hooks
 from rqbatcher.workers.job_worker.in_flight import JobEnd
+from rqbatcher.workers.scheduler.step_budget import BATCH_PROMPT_FLOOR
 from tests.engine_helpers import engine_for, greedy, random_prompts
 
 
@@ -45,8 +46,12 @@ def test_queue_time_ttft_tokens_and_urgency_preemptions_by_class_and_tenant(tiny
     assert mixes >= {"interactive+batch", "batch"}
     assert sum(value("batcher_step_seconds_count", mix=mix) for mix in mixes) == engine.step_index - 1, \
         "every step but the first (run before the hooks) is timed under its mix"
-    assert value("batcher_step_prompt_token_budget") == engine.config.max_num_batched_tokens, \
-        "a tiny model's step fits any chunk in the target: the full budget"
+    budget = value("batcher_step_prompt_token_budget")
+    assert BATCH_PROMPT_FLOOR <= budget <= engine.config.max_num_batched_tokens, "the measured target's, or the full"
+    assert value("batcher_step_prompt_tokens_total", kind="urgent") == len(prompts[2]), "i0's prompt, once"
+    assert value("batcher_step_prompt_tokens_total", kind="batch") > min(map(len, prompts[:2])), \
+        "the preempted batch sequence's recompute, its prompt and a token (its first step ran before the hooks)"
+    assert value("batcher_step_target_infeasible") == 0, "no target given: the measured one is never infeasible"
     assert value("batcher_class_queue_time_seconds_count", service_class="batch") == 2
     assert value("batcher_class_time_to_first_token_seconds_count", service_class="interactive") == 1
     assert value("batcher_tenant_tokens_total", service_class="batch", tenant="key-a", kind="generated") == 6

@@ -24,12 +24,9 @@ def test_worker_stats_survive_a_round_trip_through_a_redis_hash(fake_redis):
     key = keys.worker_stats_key(STATS.name)
     fake_redis.hset(key, mapping=STATS.to_dict())
     assert WorkerStats.from_hash(fake_redis.hgetall(key)) == STATS
-    fake_redis.hset(key, "added_by_a_newer_worker", "x")
-    assert WorkerStats.from_hash(fake_redis.hgetall(key)) == STATS
-    fake_redis.hdel(key, "dtype")  # a worker from before dtypes were published
-    assert WorkerStats.from_hash(fake_redis.hgetall(key)).dtype == "unknown"
-    fake_redis.hdel(key, "prefix_cache_hit_rate")  # a worker from before prefix caching
-    assert WorkerStats.from_hash(fake_redis.hgetall(key)).prefix_cache_hit_rate == 0.0
+    fake_redis.hdel(key, "dtype", "vocab_size")
+    with pytest.raises(ValueError, match="^not a worker's stats: the hash lacks dtype, vocab_size$"):
+        WorkerStats.from_hash(fake_redis.hgetall(key))
 
 
 def test_backoff_doubles_up_to_its_cap_and_resets():

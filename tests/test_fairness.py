@@ -17,7 +17,7 @@ from rqbatcher.jobs.fairness import Candidate, Picker, charge_on, cost
 from rqbatcher.jobs.queues import class_queue, parse_queue, tenant_token
 from rqbatcher.schema import GenerationRequest
 from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY, RANK, class_of, urgency_of
-from tests.jobs_support import claim_database, fake_redis_fixture, release_database, wait_for  # noqa: F401
+from tests.jobs_support import claim_database, fake_redis_fixture, release_database  # noqa: F401
 
 BASE = "fair"
 
@@ -69,7 +69,7 @@ def test_a_class_queue_name_says_its_class_level_tenant_and_base(service_class, 
     assert keys.base_queue(name) == BASE and keys.unprioritised(name) == routed
     if service_class == BATCH:
         assert parsed.tenant == (None if tenant is None else tenant_token(tenant))
-    if service_class == INTERACTIVE:  # what a plain-RQ producer and older clients always used
+    if service_class == INTERACTIVE:  # the queue a plain-RQ producer enqueues to
         assert name == keys.queue_name(routed, level)
 
 
@@ -325,26 +325,5 @@ def test_two_pickers_at_once_share_one_counter_and_take_each_job_once():
         assert counters == {"a": 60 * fairness.PICK_CHARGE, "b": 60 * fairness.PICK_CHARGE}
         first_half = taken[:60]  # the advance charged at the pick alternates the tenants across both pickers
         assert abs(sum(job.startswith("a-") for job in first_half) - 30) <= 8
-    finally:
-        release_database(redis)
-
-
-def test_an_idle_workers_wait_wakes_on_a_job_and_leaves_the_queue_as_it_was():
-    """An idle worker blocks on its first queue without taking anything, so the pick then chooses fairly."""
-    from rqbatcher.workers.job_worker.worker import JobWorker
-    from tests.fake_engine import FakeEngine
-
-    url, redis = claim_database()
-    try:
-        worker = JobWorker(keys.priority_queue_names([BASE]), FakeEngine(), connection=redis)
-        queue = worker.queues[0]
-        assert worker.wait_for_work(queue, 1) is False
-        woke: list[bool] = []
-        waiting = threading.Thread(target=lambda: woke.append(worker.wait_for_work(queue, 30)))
-        waiting.start()
-        wait_for(lambda: any(c.get("cmd") == "blmove" for c in redis.client_list()), 10, "the worker to block")
-        redis.rpush(queue.key, "j1", "j2")
-        waiting.join(30)
-        assert woke == [True] and redis.lrange(queue.key, 0, -1) == [b"j1", b"j2"]
     finally:
         release_database(redis)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import threading
 
 import pytest
@@ -17,8 +18,9 @@ from rqbatcher.batches import file_store as core_files
 from rqbatcher.batches.file_store import FileLimits
 from rqbatcher.cli import main
 from rqbatcher.client import Client
+from rqbatcher.gateway import job_service
 from rqbatcher.gateway import job_streams as gateway_jobs
-from rqbatcher.gateway.app import GatewayConfig, create_app
+from rqbatcher.gateway.app import ROUTES, GatewayConfig, create_app
 from rqbatcher.gateway.auth import ApiKeys, UnsafeBind, check_bind, tenant_of
 from rqbatcher.gateway.job_streams import AttemptDiverged, TextRelay
 from rqbatcher.jobs import keys
@@ -247,6 +249,43 @@ def test_completions_are_answered_in_the_batch_lines_format(gateway, worker, fak
     assert (chat["object"], chat["choices"][0]["message"]) == ("chat.completion", {
         "role": "assistant", "content": expected_text(2), "refusal": None})
     assert chat["usage"]["completion_tokens"] == 2
+
+
+def test_an_answer_is_read_from_the_done_event_without_reading_the_stored_result(gateway, worker, monkeypatch):
+    def stored_result(*args, **kwargs):
+        raise AssertionError("the answer was read a second time")
+
+    monkeypatch.setattr(gateway.app.state.client, "result", stored_result)
+    chat = gateway.post("/v1/chat/completions", headers=A, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == expected_text(3)
+    embedded = gateway.post("/v1/embeddings", headers=A, json={"model": MODEL, "input": ["a", "bc"]})
+    assert embedded.status_code == 200, embedded.text
+    assert len(embedded.json()["data"]) == 2
+
+
+def test_the_live_workers_are_read_at_most_once_a_ttl(gateway, fake_redis, monkeypatch):
+    pretend_worker(fake_redis)
+    reads = []
+    real = job_service.list_workers
+    monkeypatch.setattr(job_service, "list_workers", lambda connection: reads.append(1) or real(connection))
+    for _ in range(3):
+        assert gateway.get("/v1/models", headers=A).json()["data"][0]["id"] == MODEL
+    assert len(reads) <= 1
+    monkeypatch.setattr(job_service, "LIVE_WORKERS_TTL_S", 0.0)
+    before = len(reads)
+    for _ in range(2):
+        gateway.get("/v1/models", headers=A)
+    assert len(reads) == before + 2
+
+
+def test_serve_help_names_every_endpoint():
+    def shape(path: str) -> str:  # a path parameter's name is the help's own
+        return re.sub(r"\{[^}]*\}", "{}", path)
+
+    shown = shape(CliRunner().invoke(main, ["serve", "--help"]).output)
+    assert [route.path for route in ROUTES if shape(route.path) not in shown] == []
 
 
 def test_a_chat_stream_relays_the_job_as_openai_chunks(gateway, worker, fake_redis):

@@ -16,11 +16,47 @@ MAX_WORKER_LINES = 300  # the worker's own modules: its loop and the state each 
 JOB_WORKER = "rqbatcher.workers.job_worker"
 WORKER_MODULES = ("worker", "in_flight", "admission", "job_ends", "leases", "stream_writer", "stats_publisher")
 RQ_ADAPTER = "rqbatcher.jobs.rq_adapter"
-EXPERIMENTS = "rqbatcher.workers.bench.experiments"
+BENCH = "rqbatcher.workers.bench"
 BENCH_DOOR = "rqbatcher.workers.entrypoints"  # the one module that imports `batcher bench`, and only lazily
+BENCHMARKS = ROOT / "benchmarks"
+CHECKOUT_ONLY = {"benchmarks", "tests"}  # folders the wheel leaves out: they import the package, never the reverse
 RQ_INTERNALS = re.compile(r"_job_registry\b|\bFailedJobRegistry\b|intermediate_queue|\bclean_registries\b|"
                           r"_handle_success|_handle_failure|\bjob\._result\b|_stop_requested")
 SEQUENCE_WRITERS = ("rqbatcher.workers.scheduler.scheduler", "rqbatcher.workers.scheduler.sequence")
+# The loose core modules (and tools/): the vocabulary every folder may import, importing nothing above it
+BASE = "base"
+BASE_MODULES = {"rqbatcher", "schema", "sampling_params", "service_class", "errors", "config", "constraints",
+                "logit_bias", "response_format", "tools", "data"}  # data: the bundled sample requests, no code
+# DESIGN.md section 2, one way only: cli -> gateway -> client -> batches/webhooks -> jobs -> schema; openai -> schema;
+# workers.job_worker -> workers.engine (its api only); workers.engine -> workers.scheduler, workers.model -> kernels.
+# Each folder of rqbatcher and rqbatcher.workers (a loose module counts as its own) and the folders it may import
+# besides itself and the base. The cli sits on top (its one door into workers/ is the entry points); the gateway is
+# just below it, the HTTP side of the client's job service.
+MAY_IMPORT = {
+    "__main__": {"cli"},
+    "cli": {"gateway", "client", "batches", "webhooks", "jobs", "openai", "workers.entrypoints"},
+    "gateway": {"client", "batches", "webhooks", "jobs", "openai"},  # stored responses are kept by the gateway
+    "client": {"batches", "webhooks", "jobs"},
+    "batches": {"webhooks", "jobs", "openai"},  # a batch's lines are OpenAI's batch format
+    "webhooks": {"jobs"},
+    "jobs": set(),
+    "openai": set(),
+    "workers": set(),
+    "workers.entrypoints": {"client", "jobs", "workers.bench", "workers.demo", "workers.embedded_redis",
+                            "workers.engine", "workers.job_worker", "workers.offline"},
+    "workers.job_worker": {"jobs", "batches", "webhooks", "workers.engine"},  # batch lines and webhook events end
+    "workers.engine": {"workers.scheduler", "workers.model"},
+    "workers.model": {"workers.scheduler", "kernels"},  # the runner executes the scheduler's step plan
+    "workers.scheduler": set(),
+    "workers.bench": {"client", "jobs", "workers.engine", "workers.job_worker", "workers.model"},
+    "workers.demo": {"client", "openai", "workers.engine", "workers.job_worker"},
+    "workers.embedded_redis": {"jobs"},
+    "workers.offline": {"openai", "workers.engine"},
+    "kernels": set(),
+}
+DUNDER = re.compile(r"^__\w+__$")
+END_MODULE = "rqbatcher.jobs.ends"
+END_WRITES = re.compile(r"(?<!def )\b(success_on|failure_on|charge_on|record_outcome_on|announce_response_end_on)\(")
 
 
 def modules() -> dict[str, Path]:
@@ -112,6 +148,55 @@ def _crossings(source: str, forbidden: tuple[str, ...], third_party: tuple[str, 
     return found
 
 
+def seam_of(name: str) -> str:
+    """The folder of MAY_IMPORT that module `name` belongs to, or BASE."""
+    parts = name.split(".")
+    if in_folder(name, KERNELS):
+        return "kernels"
+    if in_folder(name, WORKERS):
+        return ".".join(parts[1:3])
+    return BASE if parts[:2][-1] in BASE_MODULES else parts[1]
+
+
+def test_folders_import_one_way_as_the_design_draws():
+    crossings: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        seam = seam_of(name)
+        allowed = {seam, BASE} | MAY_IMPORT.get(seam, set()) if seam != BASE else {BASE}
+        for target in targets:
+            if seam_of(target) not in allowed:
+                crossings.setdefault(name, set()).add(target)
+    assert {seam_of(n) for n in modules()} - {BASE} <= MAY_IMPORT.keys(), "place every new folder in MAY_IMPORT"
+    assert crossings == {}
+
+
+def test_no_module_uses_another_modules_private_name():
+    """`from rqbatcher.x import _name`, or `x._name` where x names a project module: a private name is its module's
+    own (a dunder is no private name)."""
+    known, uses = modules(), {}
+    for name, path in known.items():
+        tree, aliases = ast.parse(path.read_text()), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in known and node.module != name:
+                private = {a.name for a in node.names if a.name.startswith("_") and not DUNDER.match(a.name)}
+                uses.setdefault(name, set()).update(f"{node.module}.{n}" for n in private)
+                aliases |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in known}
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.asname and a.name in known}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not DUNDER.match(node.attr)):
+                uses.setdefault(name, set()).add(f"{node.value.id}.{node.attr}")
+    assert {name: found for name, found in uses.items() if found} == {}
+
+
+def test_a_jobs_end_is_written_in_one_module():
+    """RQ's record of an execution's end, the job's outcome (batch line, counts, feed), the fairness charge and the
+    webhook event are queued by the end module alone, whoever records the end."""
+    writers = {name for name, path in modules().items() if END_WRITES.search(path.read_text())}
+    assert writers == {END_MODULE}
+
+
 def test_the_scheduler_never_sees_redis_nor_the_job_system():
     forbidden = ("rqbatcher.jobs", "rqbatcher.batches", "rqbatcher.client")
     assert _crossings("rqbatcher.workers.scheduler", forbidden, ("redis", "rq")) == {}
@@ -137,16 +222,17 @@ def test_the_job_worker_imports_neither_torch_nor_the_model_and_only_the_engines
 
 def test_the_bench_is_imported_lazily_by_its_entry_point_alone():
     known = modules()
-    importers = {name for name, targets in graph().items() if any(in_folder(t, "workers.bench") for t in targets)
-                 and not in_folder(name, "rqbatcher.workers.bench")}
-    assert importers <= {BENCH_DOOR}
-    at_import = {t for t in imports(known[BENCH_DOOR], known, top_level=True) if in_folder(t, "workers.bench")}
+    importers = {name for name, targets in graph().items() if any(in_folder(t, BENCH) for t in targets)
+                 and not in_folder(name, BENCH)}
+    assert importers == {BENCH_DOOR}
+    at_import = {t for t in imports(known[BENCH_DOOR], known, top_level=True) if in_folder(t, BENCH)}
     assert at_import == set(), "`batcher worker` must not load the bench harness"
 
 
-def test_nothing_in_the_package_imports_the_experiments():
-    importers = {name for name, targets in graph().items() if any(in_folder(t, EXPERIMENTS) for t in targets)}
-    assert {n for n in importers if not in_folder(n, EXPERIMENTS)} == set()
+def test_the_package_never_imports_the_benchmarks_or_the_tests():
+    """benchmarks/ and tests/ (the fake engine among them) are not in the wheel: nothing in it may need them."""
+    importers = {name: found for name, path in modules().items() if (found := imports(path) & CHECKOUT_ONLY)}
+    assert importers == {}
 
 
 def test_a_file_name_means_one_thing():
@@ -164,7 +250,7 @@ def test_rq_internals_and_registries_are_used_in_the_adapter_alone():
     assert users == {RQ_ADAPTER}
     rq_importers = {name for name, path in modules().items()
                     if re.search(r"^\s*(from rq[. ]|import rq\b)", path.read_text(), re.M)}
-    worker = {n for n in rq_importers if folder_of(n) == "workers" and not n.startswith("rqbatcher.workers.bench")}
+    worker = {n for n in rq_importers if folder_of(n) == "workers"}
     assert worker == set(), "the worker takes RQ from the adapter"
 
 
@@ -202,6 +288,18 @@ def test_every_module_imports():
     for name in sorted(modules()):
         if name.endswith("__main__"):
             continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001  (every failure is reported, by module)
+            failures[name] = f"{type(exc).__name__}: {exc}"
+    assert failures == {}
+
+
+def test_every_benchmark_imports():
+    """benchmarks/ runs from a checkout and no test reaches most of it: a rename in the package cannot break it
+    silently."""
+    failures = {}
+    for name in sorted(f"benchmarks.{path.stem}" for path in BENCHMARKS.glob("*.py") if path.stem != "__init__"):
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001  (every failure is reported, by module)

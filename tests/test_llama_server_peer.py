@@ -1,14 +1,13 @@
-"""llama.cpp's server as a bench system: named like the others, skipped with a reason where it cannot be built.
-Building it takes CPU minutes, so the run itself is `-m slow` (and needs cmake)."""
+"""llama.cpp's server as a peer of `python -m benchmarks.compare`: named like the others, skipped with a reason
+where it cannot be built. Building it takes CPU minutes, so the run itself is `-m slow` (and needs cmake)."""
 
 import shutil
 
 import pytest
 
+from benchmarks import llama_server
+from benchmarks.compare import QUICK_PEERS, Peer, compare, parse_system
 from rqbatcher.config import EngineConfig
-from rqbatcher.workers.bench import llama_server
-from rqbatcher.workers.bench.run import run_bench
-from rqbatcher.workers.bench.system import ALL_SYSTEMS, System
 from rqbatcher.workers.bench.workload import WorkloadRequest
 
 WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
@@ -16,11 +15,11 @@ WORKLOAD = [WorkloadRequest(i, f"r{i}", prompt_len, max_tokens, 0.0)
 
 
 def test_it_is_named_like_the_other_peers_and_kept_out_of_the_default_test_run():
-    assert System.parse("llama-server") == System("llama-server")
-    assert System.parse("llama-server:no-prefix-caching").name == "llama-server:no-prefix-caching"
+    assert parse_system("llama-server") == Peer("llama-server")
+    assert parse_system("llama-server:no-prefix-caching").name == "llama-server:no-prefix-caching"
     with pytest.raises(ValueError, match="unknown llama-server@redis"):
-        System.parse("llama-server@redis")
-    assert "llama-server" not in ALL_SYSTEMS
+        parse_system("llama-server@redis")
+    assert "llama-server" not in QUICK_PEERS
 
 
 def test_a_machine_without_cmake_skips_it_with_the_reason(tiny_model_dir, tmp_path, monkeypatch):
@@ -28,13 +27,13 @@ def test_a_machine_without_cmake_skips_it_with_the_reason(tiny_model_dir, tmp_pa
     monkeypatch.setattr(shutil, "which", lambda name: None)
     config = EngineConfig(model=str(tiny_model_dir("llama")), max_num_seqs=2, max_num_batched_tokens=16,
                           block_size=4, kv_cache_bytes=1 << 20, dtype="float32")
-    report = run_bench(WORKLOAD, "tiny", [System.parse("batcher:continuous"), System.parse("llama-server")],
-                       System.parse("batcher:continuous"), config, threads=1)
-    assert [s.system for s in report.systems] == ["batcher:continuous"]
-    assert "cmake is missing" in report.skipped["llama-server"]
-    assert "skipped llama-server: llama-server: cmake is missing" in report.table()
+    comparison = compare(WORKLOAD, "tiny", [parse_system("batcher:continuous"), parse_system("llama-server")],
+                         parse_system("batcher:continuous"), config, threads=1)
+    assert [s.system for s in comparison.report.systems] == ["batcher:continuous"]
+    assert "cmake is missing" in comparison.skipped["llama-server"]
+    assert "skipped llama-server: llama-server: cmake is missing" in comparison.table()
     with pytest.raises(llama_server.SystemUnavailable, match="cmake"):
-        run_bench(WORKLOAD, "tiny", [System.parse("llama-server")], System.parse("llama-server"), config, threads=1)
+        compare(WORKLOAD, "tiny", [parse_system("llama-server")], parse_system("llama-server"), config, threads=1)
 
 
 def test_requests_ask_for_greedy_tokens_past_eos():
@@ -52,7 +51,7 @@ def test_llama_server_generates_every_token_of_every_request(request):
         pytest.skip("builds llama.cpp on first use (CPU minutes): run with -m slow")
     config = EngineConfig(model="smollm2", max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
                           kv_cache_bytes=1 << 24, dtype="float32")
-    report = run_bench(WORKLOAD, "tiny", [System.parse("hf-naive"), System.parse("llama-server")],
-                       System.parse("hf-naive"), config, threads=1)
-    server = report.system("llama-server")
+    comparison = compare(WORKLOAD, "tiny", [parse_system("hf-naive"), parse_system("llama-server")],
+                         parse_system("hf-naive"), config, threads=1)
+    server = comparison.report.system("llama-server")
     assert server.generated_tokens == sum(w.max_tokens for w in WORKLOAD)

@@ -39,6 +39,7 @@ EXPECTED_METRICS = {
     "batcher_num_preemptions_total": ("counter", {"model_name"}),
     "batcher_prefix_cache_queries_total": ("counter", {"model_name"}),
     "batcher_prefix_cache_hits_total": ("counter", {"model_name"}),
+    "batcher_prefix_blocks_awaited_total": ("counter", {"model_name"}),
     "batcher_request_success_total": ("counter", {"model_name", "finished_reason"}),
 }
 

@@ -1,6 +1,6 @@
-"""Responses API bodies in, response objects and stream events out (batcher/openai/responses_body.py,
-batcher/openai/response_items.py, batcher/gateway/response_events.py), and the stored records
-(batcher/responses/records.py, on fakeredis): no worker."""
+"""Responses API bodies in, response objects and stream events out (batcher/openai/responses/responses_body.py,
+batcher/openai/responses/response_items.py, batcher/gateway/response_events.py), and the stored records
+(batcher/gateway/response_records.py, on fakeredis): no worker."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from rqbatcher.gateway.response_events import ResponseEvents
+from rqbatcher.gateway.response_records import ResponseNotFound, ResponseRecord, ResponseRecords
 from rqbatcher.openai.batch_lines import BodyError
-from rqbatcher.openai.response_items import answer_messages, input_items
-from rqbatcher.openai.responses_body import echo_fields, parse_responses_body, response_object
-from rqbatcher.responses.records import ResponseNotFound, ResponseRecord, ResponseRecords
+from rqbatcher.openai.responses.response_items import answer_messages, input_items
+from rqbatcher.openai.responses.responses_body import echo_fields, parse_responses_body, response_object
 from rqbatcher.schema import ChatMessage, GenerationResult, StreamEvent, Usage
 from rqbatcher.tools.calls import call_id
 from tests.jobs_support import fake_redis_fixture  # noqa: F401

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rqbatcher.jobs import admin, keys
-from rqbatcher.jobs.worker_stats import WorkerStats
 from rqbatcher.logit_bias import logit_bias_problem
 from rqbatcher.schema import GenerationRequest, SamplingParams
 from rqbatcher.workers.engine.api import RequestError
@@ -158,6 +157,3 @@ def test_the_workers_vocabulary_size_reaches_list_workers(fake_redis):
     worker.keeper.tick()
     (stats,) = admin.list_workers(fake_redis)
     assert stats.vocab_size == fake_engine.VOCAB_SIZE
-    key = keys.worker_stats_key(stats.name)
-    fake_redis.hdel(key, "vocab_size")  # a worker from before it was published
-    assert WorkerStats.from_hash(fake_redis.hgetall(key)).vocab_size == 0

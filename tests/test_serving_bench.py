@@ -1,4 +1,4 @@
-"""The serving bench's pure parts (workers/bench/experiments/serving_report.py, and the guidellm command line of
+"""The serving bench's pure parts (benchmarks/serving_report.py, and the guidellm command line of
 serving.py): a guidellm 0.8.1 JSON report, cut down to the fields the bench reads, into rows and tables."""
 
 import json
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rqbatcher.workers.bench.experiments import serving_report as sr
-from rqbatcher.workers.bench.experiments.serving import SERVED, Settings, guidellm_command
+from benchmarks import serving_report as sr
+from benchmarks.serving import SERVED, Settings, guidellm_command
 
 
 def distribution(count: int, p50: float = 0.0, p99: float = 0.0, mean: float = 0.0) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY
 from rqbatcher.workers.scheduler import preemption, step_budget
-from rqbatcher.workers.scheduler.preemption import FAIRNESS_INTERVAL_STEPS, NEAR_END_TOKENS
+from rqbatcher.workers.scheduler.preemption import FAIRNESS_INTERVAL_S, NEAR_END_TOKENS
 from rqbatcher.workers.scheduler.step_cost import StepCostModel
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.test_scheduler import make, simulate_step
@@ -87,20 +87,7 @@ def test_the_full_budget_returns_once_interactive_work_has_left_for_the_quiet_pe
     assert later.num_tokens[batch] == 512 and not sched.budget.binding
 
 
-def test_batch_prefill_keeps_its_floor_under_a_target_the_decodes_alone_exceed():
-    sched = trained(make(num_blocks=2000, max_num_seqs=40, max_num_batched_tokens=512, step_time_target=0.05))
-    urgent = [tenant_seq(f"i{i}", "x") for i in range(30)]  # 30 decode rows cost 0.17 s alone
-    for s in urgent:
-        sched.add(s)
-    step_at(sched, 0.0)
-    batch = tenant_seq("b0", "x", BATCH, prompt_len=1000)
-    sched.add(batch)
-    step_at(sched, 0.1)
-    plan = step_at(sched, 0.2)
-    assert plan.num_tokens[batch] == step_budget.BATCH_PROMPT_FLOOR
-
-
-def test_a_long_interactive_prompt_is_chunked_to_the_target_while_others_decode_and_alone_is_not():
+def test_a_long_interactive_prompt_among_decodes_runs_near_the_efficient_size_and_alone_takes_the_full_budget():
     sched = trained(make(num_blocks=2000, max_num_seqs=8, max_num_batched_tokens=512, step_time_target=TARGET_S))
     alone = tenant_seq("i0", "x", prompt_len=1000)
     sched.add(alone)
@@ -112,8 +99,11 @@ def test_a_long_interactive_prompt_is_chunked_to_the_target_while_others_decode_
     long = tenant_seq("i2", "x", prompt_len=1000)
     sched.add(long)
     plan = step_at(sched, 0.01)
-    expected = int((TARGET_S - BASE_S - DECODE_ROW_S) / PROMPT_TOKEN_S)
-    assert plan.num_tokens[decoding] == 1 and abs(plan.num_tokens[long] - expected) <= 1  # the fit is not exact
+    fits = (TARGET_S - BASE_S - DECODE_ROW_S) / PROMPT_TOKEN_S  # 175 tokens within the target
+    share = step_budget.EFFICIENT_PROMPT_SHARE
+    efficient = share / (1 - share) * (BASE_S + DECODE_ROW_S) / PROMPT_TOKEN_S  # 225: 90% of its step is prompt
+    expected = max(fits, efficient)  # the target bounds batch prompt work only
+    assert plan.num_tokens[decoding] == 1 and plan.num_tokens[long] == pytest.approx(expected, rel=0.02)  # a fit
 
 
 @pytest.mark.parametrize("why", ["no target", "no measured step yet"])
@@ -145,7 +135,7 @@ def test_a_tenant_holding_no_slot_preempts_one_sequence_of_the_most_served_tenan
     assert plan.preempted == [a[-1]] and b in plan.num_tokens, "A holds 3 of 4 slots: its latest gives way"
     assert sched.fairness_preemptions == 1 and sched.urgency_preemptions == {}
     assert a[-1] in sched.waiting and sched.fair_room == 1, "A's waiting sequence is no slotless tenant's"
-    assert preemption.fairness_victim("D", sched.running, sched.steps, 4) is a[1], "A still holds the most"
+    assert preemption.fairness_victim("D", sched.running, sched.now, 4) is a[1], "A still holds the most"
 
 
 def test_a_tenant_holding_one_slot_never_gives_it_up_for_fairness():
@@ -178,7 +168,7 @@ def test_fairness_preemption_spares_sequences_near_their_end_and_preempts_one_at
         s.sampling = s.sampling.model_copy(update={"max_tokens": s.num_output_tokens + NEAR_END_TOKENS})
     d = tenant_seq("d0", "D")
     sched.add(d)
-    assert sched.steps - a[2].fairness_preempted_at < FAIRNESS_INTERVAL_STEPS
+    assert sched.now - a[2].fairness_preempted_at < FAIRNESS_INTERVAL_S
     assert not simulate_step(sched).preempted and d in sched.waiting, "every A sequence is near its end"
 
 

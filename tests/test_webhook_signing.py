@@ -12,7 +12,7 @@ from rq.serializers import JSONSerializer
 
 from rqbatcher.client import Client
 from rqbatcher.jobs import keys
-from rqbatcher.jobs.life import announce_response_end_on
+from rqbatcher.jobs.ends import announce_response_end_on
 from rqbatcher.schema import GenerationRequest, GenerationResult
 from rqbatcher.webhooks import endpoints
 from rqbatcher.webhooks.addresses import RefusedAddress, is_public, split_url

@@ -57,7 +57,7 @@ def run_file(engine: Engine, lines: list[str], on_done: Callable[[], None]) -> l
 
 
 def parse_system(spec: str) -> System:
-    """A bench system from its name (`batcher:continuous@redis`, `hf-cb`...); ValueError names the known ones."""
+    """A bench system from its name (`batcher:continuous@redis`...); ValueError names the known ones."""
     from rqbatcher.workers.bench.system import System
 
     return System.parse(spec)
@@ -66,19 +66,15 @@ def parse_system(spec: str) -> System:
 def bench(workload: str, systems: list[System], baseline: System, engine_config: EngineConfig, threads: int,
           redis_url: str | None) -> BenchReport:
     """Run a workload (a file, or a bundled name) through `systems` and compare them with `baseline`."""
+    from rqbatcher.workers.bench.record import psutil
     from rqbatcher.workers.bench.run import run_bench
     from rqbatcher.workers.bench.workload import load_workload, workload_path
 
     items = load_workload(workload)
+    psutil()  # a missing extra is reported now, not after loading the model
     if any(s.through_redis for s in systems):
         connect(redis_url).ping()  # a Redis that cannot be reached is reported now, not after loading the model
     return run_bench(items, workload_path(workload).stem, systems, baseline, engine_config, threads, redis_url)
-
-
-def plot(report: BenchReport, path: str) -> None:
-    from rqbatcher.workers.bench.plot import plot_report
-
-    plot_report(report, path)
 
 
 def demo(redis_url: str | None, engine_config: EngineConfig, compare: bool) -> None:

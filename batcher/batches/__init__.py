@@ -1,8 +1,9 @@
 """Batches: the jobs of one OpenAI batch file, tracked as one (status, counts, output files).
 
-The package: `model` (the Batch object, ids, windows), `ingest` (a batch file read as a stream and enqueued),
-`store` (create, read, list, cancel, expire), `lines` (each request's outcome, and the rendered files) and
-`scripts` (the Lua scripts). Import from the module you need: this file only explains.
+The package: `batch_object` (the Batch object, ids, windows), `ingest` (a batch file read as a stream and
+enqueued), `store` (create, read, list, cancel, expire), `lines` (each request's outcome, and the rendered files),
+`scripts` (the Lua scripts) and `file_store` (the uploaded files, OpenAI's Files API). Import from the module you
+need: this file only explains.
 
 Redis holds, per batch (every key is named in batcher/jobs/keys.py):
 - `batcher:batch:<id>`: a hash with the Batch object's fields: status, counts, timestamps, metadata;
@@ -13,8 +14,8 @@ Job i of batch B has the id `B-i`, so the batch keeps no list of job ids: a queu
 searched for the batch's jobs by that prefix, and a job's index is in its own argument (BatchItem).
 
 Counts are exact through crashes and retries: a job's outcome is written by one Lua script that runs
-inside the transaction recording the job's result (`lines.record_outcome_on`, called by
-`rqbatcher.jobs.life.record_end`). The script writes the line with
+inside the transaction recording the job's result (`lines.record_outcome_on`, passed to
+`rqbatcher.jobs.ends.record_end`). The script writes the line with
 HSETNX, and counts it only if it was new, so whoever records an index first wins and a repeated or
 late write (a retried job, a job stopped after its batch was cancelled) changes nothing. That is O(1)
 Redis work per job, with no scan over the batch. The same script moves the batch to `completed` (or

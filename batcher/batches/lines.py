@@ -1,7 +1,7 @@
 """A batch's lines: each request's outcome, written once by one script, and the output and error files
 rendered from them in input order.
 
-Every job end reports here (`record_outcome_on`, called by `rqbatcher.jobs.life.record_end`): a batch job's
+Every job end reports here (`record_outcome_on`, passed to `rqbatcher.jobs.ends.record_end`): a batch job's
 output or error line and its counts, and, for every job, its completion-feed entries. A sweep (cancel, expiry)
 gives the lines no job will write an error line (`write_error_line_on`). The script writes a line with HSETNX
 and counts it only if it was new, so whoever records an index first wins, and a repeated or late write changes

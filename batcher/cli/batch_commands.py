@@ -12,7 +12,7 @@ import click
 import rqbatcher.cli.options as options
 from rqbatcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW
 from rqbatcher.cli.group import main
-from rqbatcher.cli.options import queue_option, redis_url_option, replica_wait_options
+from rqbatcher.cli.options import json_option, queue_option, redis_url_option, replica_wait_options
 from rqbatcher.jobs import keys
 from rqbatcher.openai.batch_endpoints import ENDPOINTS
 
@@ -115,9 +115,10 @@ def status(redis_url, batch_id, as_json):
 
 @batch.command("list")
 @redis_url_option
-@click.option("--limit", type=click.IntRange(1), default=DEFAULT_LIST_LIMIT, show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=DEFAULT_LIST_LIMIT, show_default=True,
+              help="The most batches to show.")
 @click.option("--after", help="Page on from this batch id.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def list_batches(redis_url, limit, after, as_json):
     """Batches, newest first."""
     with batch_errors():

@@ -87,27 +87,24 @@ def _systems(ctx, param, value):
 @click.option("--workload", required=True, help="A workload file, or a bundled one: skew, skew-small, summarise, "
               "mixed, interference, doc-qa, system-prompt.")
 @click.option("--systems", callback=_systems, help="Comma-separated systems to run, in order: batcher:continuous, "
-              "batcher:static, hf-cb, hf-static, hf-naive, llama-server (llama.cpp's server, built with cmake into the "
-              "cache folder on first use: minutes); batcher and hf-cb systems run with their prefix cache "
-              "unless named with :no-prefix-caching, and a batcher system with the suffix @redis is served "
-              "through Redis and a worker (batcher:continuous:no-prefix-caching@redis). Default: batcher with "
-              "--policy.")
+              "batcher:static; each runs with its prefix cache unless named with :no-prefix-caching, and with the "
+              "suffix @redis it is served through Redis and a worker (batcher:continuous:no-prefix-caching@redis). "
+              "Default: batcher with --policy. The peers (transformers, llama.cpp) run from a checkout: "
+              "python -m benchmarks.compare.")
 @click.option("--through", type=click.Choice(["engine", "redis"]), default="engine", show_default=True,
-              help="redis: run the batcher systems as jobs through Redis and a worker (arrival times honoured).")
+              help="redis: run the systems as jobs through Redis and a worker (arrival times honoured).")
 @redis_url_option
 @click.option("--baseline", help="The system the ratios are against (default: the first one).")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
               help="torch CPU threads (set explicitly: on a shared CPU, threads fight).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full report as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Write a PNG: slot occupancy (static against continuous) and tokens over time (needs matplotlib).")
-def bench(engine_config, workload, systems, through, redis_url, baseline, threads, json_path, plot_path):
-    """Run a workload through several systems on equal terms; print a table with ratios to a baseline.
+def bench(engine_config, workload, systems, through, redis_url, baseline, threads, json_path):
+    """Run a workload through the engine's systems on equal terms; print throughput, time to first token and
+    inter-token latency, with ratios to a baseline.
 
-    Slots (--max-num-seqs), page size (--block-size), KV blocks and the token budget
-    (--max-num-batched-tokens) apply to every system that has them, and so does --no-prefix-caching;
-    hf-static batches --max-num-seqs requests per group. Greedy tokens are compared with the baseline's,
-    and every difference is shown.
+    Slots (--max-num-seqs), page size (--block-size), KV blocks, the token budget (--max-num-batched-tokens) and
+    --no-prefix-caching apply to every system. Greedy tokens are compared with the baseline's, and every difference
+    is shown.
     """
     import json
 
@@ -130,8 +127,6 @@ def bench(engine_config, workload, systems, through, redis_url, baseline, thread
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report.to_dict(), f, indent=1)
-    if plot_path:
-        entrypoints.plot(report, plot_path)
     if not report.all_agree:
         click.echo("warning: greedy tokens differ between systems (listed above)", err=True)
 

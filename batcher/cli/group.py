@@ -16,7 +16,7 @@ FAULT_EXIT_CODE = 1
 
 def describe_fault(exc: BaseException) -> str | None:
     """The one line a user sees for an expected fault; None for anything else (a bug: show the traceback)."""
-    from rqbatcher.openai.batch_lines import readable
+    from rqbatcher.errors import readable
 
     if isinstance(exc, BatcherError):
         return str(exc)
@@ -32,7 +32,21 @@ def describe_fault(exc: BaseException) -> str | None:
     return None
 
 
+def show_envvars(command: click.Command) -> None:
+    """Name the environment variable of every option read from one in `--help` (click hides it by default), so that
+    a deployment's settings can be read off the help of the command it runs."""
+    for param in command.params:
+        if isinstance(param, click.Option) and param.envvar:
+            param.show_envvar = True
+
+
 class FaultReportingGroup(click.Group):
+    group_class = type  # sub-groups (batch, webhooks) report faults and show environment variables the same way
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        show_envvars(cmd)
+        super().add_command(cmd, name)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
@@ -53,3 +67,6 @@ def main(ctx: click.Context, verbose: int, debug: bool) -> None:
     ctx.meta[DEBUG_ENV] = debug
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose + debug, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+show_envvars(main)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from datetime import datetime
 
 import click
 
 import rqbatcher.cli.batch_commands as batch_commands
 import rqbatcher.cli.options as options
 from rqbatcher.cli.group import main
-from rqbatcher.cli.options import queue_option, redis_url_option, replica_wait_options
+from rqbatcher.cli.options import json_option, queue_option, redis_url_option, replica_wait_options
 from rqbatcher.jobs import keys
 
 SCHEMA_NAME = "answer"  # the json_schema name of `submit --json-schema` (OpenAI's format requires one)
@@ -50,7 +52,7 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
     if prompt is not None:
         from pydantic import ValidationError
 
-        from rqbatcher.openai.batch_lines import readable
+        from rqbatcher.errors import readable
         from rqbatcher.schema import GenerationRequest
 
         sampling = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
@@ -128,9 +130,13 @@ def _print_stream(client, job_id: str) -> int:
 @main.command()
 @redis_url_option
 @click.argument("job_id")
-def status(redis_url, job_id):
+@json_option
+def status(redis_url, job_id, as_json):
     """Show a job's status, queue position, worker, times and failure reason."""
     info = options.make_client(redis_url).status(job_id)
+    if as_json:
+        click.echo(json.dumps(vars(info), indent=1, default=datetime.isoformat))
+        return
     for name, value in vars(info).items():
         if value is not None:
             click.echo(f"{name}: {value}")

@@ -72,9 +72,10 @@ def engine_options(func):
                      envvar="BATCHER_MIN_BATCH_SHARE", show_default=True,
                      help="Fraction of the slots batch work keeps under any load of interactive work."),
         click.option("--step-time-target", type=click.FloatRange(0), default=c.DEFAULT_STEP_TIME_TARGET_S,
-                     envvar="BATCHER_STEP_TIME_TARGET", show_default=True,
-                     help="Seconds a step may take while interactive or priority work runs or waits: prompt chunks "
-                     "are sized to it from the measured step costs (0: always the full token budget)."),
+                     envvar="BATCHER_STEP_TIME_TARGET",
+                     help="Seconds a step may take while interactive or priority work runs or waits: batch prompt "
+                     "chunks are cut to it from the measured step costs (0: always the full token budget). "
+                     "Default: measured, twice the step the running decodes take alone."),
         click.option("--task", "tasks", type=click.Choice(c.TASKS), multiple=True, envvar="BATCHER_TASK",
                      help="What to serve: generate, embed, or both (--task generate --task embed; a causal LM embeds "
                           "from its final hidden states). Default: the model's nature (an embedding model embeds)."),

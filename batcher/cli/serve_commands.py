@@ -39,7 +39,17 @@ from rqbatcher.gateway.defaults import (
 @replica_wait_options
 def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_lines, max_request_bytes,
           max_queue_length):
-    """The OpenAI-compatible HTTP gateway: files, batches, completions (streamed too), models.
+    """The OpenAI-compatible HTTP gateway. It serves:
+
+    \b
+      POST /v1/chat/completions, /v1/completions   (stream: true too)
+      POST /v1/responses; GET, DELETE /v1/responses/{id}; POST /v1/responses/{id}/cancel;
+           GET /v1/responses/{id}/input_items
+      POST /v1/embeddings
+      POST, GET /v1/files; GET, DELETE /v1/files/{id}; GET /v1/files/{id}/content
+      POST, GET /v1/batches; GET /v1/batches/{id}; POST /v1/batches/{id}/cancel
+      GET /v1/models, /v1/models/{model}
+      GET /health, /metrics
 
     It keeps no state of its own (everything is in Redis), so replicas can run behind a load balancer.
     Each API key is a tenant that sees only its own files and batches."""

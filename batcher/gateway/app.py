@@ -23,10 +23,10 @@ from rqbatcher.batches.file_store import FileLimits, FileStore
 from rqbatcher.client import DEFAULT_MAX_QUEUE_LENGTH, Client
 from rqbatcher.gateway import batch_routes, completions, embedding_routes, file_routes, response_routes
 from rqbatcher.gateway.auth import ApiKeys, AuthMiddleware
-from rqbatcher.gateway.completions import served_models
 from rqbatcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from rqbatcher.gateway.error_objects import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
 from rqbatcher.gateway.http_metrics import GatewayMetrics, MetricsMiddleware
+from rqbatcher.gateway.job_service import JobService
 from rqbatcher.jobs import keys
 
 MODEL_OWNER = "batcher"
@@ -46,13 +46,13 @@ def _model_json(name: str) -> dict:
 
 
 async def list_models(request: Request) -> JSONResponse:
-    served = await run_in_threadpool(served_models, request.app.state.client)
+    served = await run_in_threadpool(request.app.state.jobs.served_models)
     return JSONResponse({"object": "list", "data": [_model_json(m) for m in served]})
 
 
 async def retrieve_model(request: Request) -> JSONResponse:
     name = request.path_params["model"]
-    if name not in await run_in_threadpool(served_models, request.app.state.client):
+    if name not in await run_in_threadpool(request.app.state.jobs.served_models):
         raise ApiError(404, f"No live worker serves the model `{name}`.", param="model", code="model_not_found")
     return JSONResponse(_model_json(name))
 
@@ -105,5 +105,6 @@ def create_app(config: GatewayConfig, connection: Redis, aconnection: AsyncRedis
     app.state.responses_client = response_routes.responses_client(connection, config.queue, config.max_queue_length)
     app.state.files = FileStore(connection, config.file_limits)
     app.state.aconnection = aconnection
+    app.state.jobs = JobService(app.state.client, aconnection)
     app.state.metrics = gateway_metrics
     return app

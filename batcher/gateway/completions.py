@@ -1,10 +1,10 @@
 """/v1/completions and /v1/chat/completions: one job per request, answered when it ends, or streamed.
 
-The body is read by the batch lines' parser (`openai_batch.parse_body`) and answered with their
-`response_body`, so an HTTP answer and a batch output line never differ. The request's `model` must be one
-that a live worker of the gateway's queue serves (GET /v1/models lists them): another name answers 404
-`model_not_found` at once, rather than a request that hangs until some worker appears. A body without a
-model runs on any worker of the queue, as a job without one does.
+The body is read by the batch lines' parser (`rqbatcher.openai.batch_lines.parse_body`) and answered with their
+`response_body`, so an HTTP answer and a batch output line never differ. The job service (job_service.py) checks
+the model (404 `model_not_found` at once unless a live worker of the gateway's queue serves it, rather than a
+request that hangs until some worker appears; a body without a model runs on any worker of the queue), enqueues the
+job and waits for its end, whose `done` event carries the answer.
 
 With `stream: true` the job's Redis stream is relayed as server-sent events in OpenAI's chunk format,
 ending with `data: [DONE]`; a failure is sent as an `{"error": ...}` event, which the official SDKs raise.
@@ -19,7 +19,6 @@ chat request to a model without a chat template) are the request's, and the SDKs
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,13 +29,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from rqbatcher.client import Client, JobFailed
 from rqbatcher.gateway import job_streams
 from rqbatcher.gateway.body import read_json
-from rqbatcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError, error_body
-from rqbatcher.jobs.admin import list_workers
-from rqbatcher.jobs.worker_stats import WorkerStats
-from rqbatcher.logit_bias import logit_bias_problem
+from rqbatcher.gateway.error_objects import SERVER_ERROR, ApiError, error_body
+from rqbatcher.gateway.job_service import CANCELLED_MESSAGE, JobService
 from rqbatcher.openai.batch_lines import (
     CHAT_ID_PREFIX,
     CHAT_URL,
@@ -51,15 +47,11 @@ from rqbatcher.openai.batch_lines import (
 )
 from rqbatcher.openai.logprob_objects import chat_logprobs, completion_logprobs
 from rqbatcher.openai.service_tiers import TIER_OF_CLASS
-from rqbatcher.schema import GenerationRequest, GenerationResult, TokenLogprob, Usage
+from rqbatcher.schema import GenerationRequest, StreamEvent, TokenLogprob, Usage
 from rqbatcher.service_class import class_of
 from rqbatcher.tools.calls import CallDelta, CallReader
 
-log = logging.getLogger(__name__)
-
-RESULT_WAIT_S = 30.0  # the result is recorded with the stream's end; this only bounds a Redis hiccup
 DONE = b"data: [DONE]\n\n"
-CANCELLED_MESSAGE = "The request was cancelled before it finished."
 
 
 async def completions(request: Request):
@@ -87,12 +79,14 @@ async def _complete(request: Request, url: str):
     if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
         generation = generation.model_copy(update={"tenant": request.state.tenant})
     tier = TIER_OF_CLASS[class_of(generation)]  # echoed, as OpenAI does
-    model, job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
+    model, job_id = await run_in_threadpool(app.state.jobs.submit, generation)
     created = int(time.time())
     if stream:
         chunks = Chunks(url, job_id, created, model, usage_options, tier, generation)
         return EventStreamResponse(_relay(request, job_id, chunks))
-    return await _answer(request, job_id, url, created, tier, generation)
+    result = await app.state.jobs.result_when_ended(request, job_id)
+    return JSONResponse(response_body(result, url, request_id=job_id, created=created, service_tier=tier,
+                                      request=generation))
 
 
 # include_obfuscation is accepted and ignored (no padding is sent); continuous_usage_stats is vLLM's: usage in every
@@ -115,104 +109,6 @@ def _usage_options(options, stream: bool) -> UsageOptions:
                        "each true or false, with stream: true", param="stream_options")
     continuous = bool(options.get("continuous_usage_stats"))
     return UsageOptions(final=bool(options.get("include_usage")) or continuous, continuous=continuous)
-
-
-def _live_workers(client: Client) -> list[WorkerStats]:
-    return [w for w in list_workers(client.connection) if client.queue in w.queues.split(",")]
-
-
-def served_models(client: Client) -> list[str]:
-    """The models that live workers of the client's queue serve."""
-    return sorted({w.model for w in _live_workers(client)})
-
-
-def _served_model(client: Client, request: GenerationRequest) -> str:
-    """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it, and 400
-    if its logit_bias names a token outside that model's vocabulary (as its workers publish it)."""
-    return served_model_among(_live_workers(client), request)
-
-
-def served_model_among(live: list[WorkerStats], request: GenerationRequest) -> str:
-    """`_served_model`, among the live workers of the queue already read."""
-    served = sorted({w.model for w in live})
-    if request.model is None and served:
-        model = served[0] if len(served) == 1 else ""
-    elif request.model in served:
-        model = request.model
-    else:
-        offered = f"the models served now: {', '.join(served)}" if served else "no worker is serving any model now"
-        name = "any model" if request.model is None else f"the model `{request.model}`"
-        raise ApiError(404, f"No live worker serves {name} ({offered}).", param="model", code="model_not_found")
-    if request.sampling.logit_bias:
-        sizes = [w.vocab_size for w in live if w.model == model or not model]
-        problem = next(filter(None, (logit_bias_problem(request.sampling, size) for size in sizes)), None)
-        if problem is not None:
-            raise ApiError(400, problem, param="logit_bias")
-    return model
-
-
-def _enqueue(client: Client, request: GenerationRequest) -> tuple[str, str]:
-    """(the model it runs on, the job id): one thread hop for both, since each hop costs time to first token."""
-    return _served_model(client, request), client.submit(request)
-
-
-async def _cancel(client: Client, job_id: str) -> None:
-    """Cancel a job whose client went away; shielded, since that is when the caller is being cancelled."""
-    with anyio.CancelScope(shield=True):
-        try:
-            await run_in_threadpool(client.cancel, job_id)
-        except Exception:  # noqa: BLE001  (the job ended or expired meanwhile: nothing to stop)
-            log.debug("job %s: cancel after the client left did nothing", job_id, exc_info=True)
-
-
-# ----- waiting for the result -----
-async def _wait_for_end(request: Request, job_id: str):
-    """The job's terminal event, or None if the client left first (the job is then cancelled)."""
-    app = request.app
-    end, failure = None, None
-    async with anyio.create_task_group() as group:
-        async def watch_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch_disconnect)
-        try:
-            async for event in job_streams.events(app.state.aconnection, app.state.client, job_id):
-                end = event if event.terminal else end
-        except Exception as exc:  # noqa: BLE001  (raised below, outside the group, which would wrap it)
-            failure = exc
-        finally:
-            if end is None:
-                await _cancel(app.state.client, job_id)
-        group.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-    return end
-
-
-async def _answer(request: Request, job_id: str, url: str, created: int, tier: str,
-                  generation: GenerationRequest) -> JSONResponse:
-    result = await _result_when_ended(request, job_id)
-    return JSONResponse(response_body(result, url, request_id=job_id, created=created, service_tier=tier,
-                                      request=generation))
-
-
-async def _result_when_ended(request: Request, job_id: str) -> GenerationResult:
-    """The job's result once it ends; ApiError when the client left, or the job failed or was cancelled."""
-    app = request.app
-    end = await _wait_for_end(request, job_id)
-    if end is None:  # the client left; nobody reads this
-        raise ApiError(499, CANCELLED_MESSAGE, code="client_closed_request")
-    if end.type == "error":
-        raise ApiError(400, end.error or "the request failed", code="generation_failed")
-    try:
-        result = await run_in_threadpool(app.state.client.result, job_id, RESULT_WAIT_S)
-    except JobFailed as exc:
-        if exc.status == "failed":
-            raise ApiError(400, exc.reason, code="generation_failed") from None
-        raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
-    return result
 
 
 # ----- streaming -----
@@ -310,7 +206,7 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
         opening = chunks.opening()
         if opening is not None:
             yield opening
-        async for event in job_streams.events(app.state.aconnection, app.state.client, job_id):
+        async for event in app.state.jobs.events(job_id):
             if event.type == "restart":
                 for relay, logprobs in zip(relays, attempt_logprobs):
                     relay.restart()
@@ -335,7 +231,7 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
                 if event.finish_reason == "cancelled":
                     yield error_event(CANCELLED_MESSAGE, "cancelled", SERVER_ERROR)
                 else:
-                    for chunk in chunks.finish(await _finish_reasons(app.state.client, job_id, event, chunks.n)):
+                    for chunk in chunks.finish(await _finish_reasons(app.state.jobs, job_id, event, chunks.n)):
                         yield chunk
                     if chunks.usage_options.final:
                         yield chunks.usage(event.usage)
@@ -349,14 +245,15 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
     finally:
         app.state.metrics.streams.dec()
         if not ended:
-            await _cancel(app.state.client, job_id)
+            await app.state.jobs.cancel(job_id)
 
 
-async def _finish_reasons(client: Client, job_id: str, done, n: int) -> list[str]:
-    """Each choice's finish reason: the end event's, or with n > 1 the result's (recorded with the end)."""
+async def _finish_reasons(jobs: JobService, job_id: str, done: StreamEvent, n: int) -> list[str]:
+    """Each choice's finish reason: the end event's, or with n > 1 its result's (the stored one only when the
+    event does not carry it)."""
     if n == 1:
         return [done.finish_reason]
-    result = await run_in_threadpool(client.result, job_id, RESULT_WAIT_S)
+    result = done.result or await jobs.stored_result(job_id)
     return [c.finish_reason for c in result.choices]
 
 

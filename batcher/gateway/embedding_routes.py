@@ -14,10 +14,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from rqbatcher.client import Client
 from rqbatcher.gateway.body import read_json
-from rqbatcher.gateway.completions import _live_workers, _result_when_ended, served_model_among
 from rqbatcher.gateway.error_objects import ApiError
+from rqbatcher.gateway.job_service import FAILED_CODE, JobService, served_model_among
 from rqbatcher.jobs.worker_stats import WorkerStats
 from rqbatcher.openai.batch_lines import BodyError
 from rqbatcher.openai.embeddings_body import embeddings_object, encoding_format_of, parse_embeddings_body
@@ -25,7 +24,6 @@ from rqbatcher.schema import GenerationRequest
 
 EMBED_TASK = "embed"  # in a worker's published `tasks`
 ANY_DIMENSIONS = "any"  # a worker's `matryoshka_dimensions` when it can shorten its vectors to any length
-FAILED_CODE = "generation_failed"  # what completions answer for a failed job (its reason is the worker's)
 INPUT_WORD = "input"  # a worker's reason about one input starts so (workers/engine/embeddings.py: "input 3 has...")
 
 
@@ -39,9 +37,9 @@ async def create_embeddings(request: Request) -> JSONResponse:
         raise ApiError(400, str(exc), param=exc.param) from None
     if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
         generation = generation.model_copy(update={"tenant": request.state.tenant})
-    job_id = await run_in_threadpool(_enqueue, app.state.client, generation)
+    job_id = await run_in_threadpool(_enqueue, app.state.jobs, generation)
     try:
-        result = await _result_when_ended(request, job_id)
+        result = await app.state.jobs.result_when_ended(request, job_id)
     except ApiError as exc:
         if exc.code == FAILED_CODE and exc.message.startswith(INPUT_WORD):
             exc.param = INPUT_WORD
@@ -49,9 +47,9 @@ async def create_embeddings(request: Request) -> JSONResponse:
     return JSONResponse(embeddings_object(result, generation, encoding_format))
 
 
-def _enqueue(client: Client, request: GenerationRequest) -> str:
+def _enqueue(jobs: JobService, request: GenerationRequest) -> str:
     """The job id, once the live workers that may take the job can answer it (ApiError otherwise)."""
-    live = _live_workers(client)
+    live = jobs.live_workers()
     served_model_among(live, request)  # 404 model_not_found
     takers = [w for w in live if request.model is None or w.model == request.model]
     if not all(_embeds(w) for w in takers):
@@ -64,7 +62,7 @@ def _enqueue(client: Client, request: GenerationRequest) -> str:
         refusing = next((w for w in takers if not _gives_dimensions(w, request.dimensions)), None)
         if refusing is not None:
             raise ApiError(400, _dimensions_refusal(refusing, request.dimensions), param="dimensions")
-    return client.submit(request)
+    return jobs.client.submit(request)
 
 
 def _embeds(worker: WorkerStats) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from rqbatcher.gateway.job_streams import AttemptDiverged, TextRelay
-from rqbatcher.openai.response_items import (
+from rqbatcher.openai.responses.response_items import (
     INCOMPLETE_FINISHES,
     call_item,
     call_item_id,
@@ -26,7 +26,7 @@ from rqbatcher.openai.response_items import (
     message_item_id,
     text_part,
 )
-from rqbatcher.openai.responses_body import RESPONSE_ID_PREFIX, finished_status, response_object
+from rqbatcher.openai.responses.responses_body import RESPONSE_ID_PREFIX, finished_status, response_object
 from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent, Usage
 from rqbatcher.tools.calls import CallDelta, CallReader
 

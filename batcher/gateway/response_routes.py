@@ -1,7 +1,7 @@
 """/v1/responses (OpenAI's Responses API): each response is one ordinary job, `background` or not.
 
 Its id is `resp_` and its job's id, so a response is found from its job and back. A stored response (`store`, the
-default) keeps a record in Redis with its tenant (batcher/responses/records.py), and its job is enqueued with a
+default) keeps a record in Redis with its tenant (batcher/gateway/response_records.py), and its job is enqueued with a
 result and stream TTL as long as the record's retention, so its output and its event stream outlive neither.
 A background response is answered at once (`queued`); its job runs, is rerun after a crash, is fair-shared and
 shows in `batcher status` as any job. Its events are built from the job's Redis stream alone
@@ -24,24 +24,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from rqbatcher.client import Client, JobNotFound
-from rqbatcher.gateway import job_streams
 from rqbatcher.gateway.body import read_json
-from rqbatcher.gateway.completions import EventStreamResponse, _cancel, _result_when_ended, _served_model
+from rqbatcher.gateway.completions import EventStreamResponse
 from rqbatcher.gateway.error_objects import ApiError
+from rqbatcher.gateway.job_service import RESULT_WAIT_S
 from rqbatcher.gateway.response_events import ResponseEvents, sse
+from rqbatcher.gateway.response_records import (
+    DEFAULT_RESPONSE_RETENTION_S,
+    ResponseNotFound,
+    ResponseRecord,
+    ResponseRecords,
+)
 from rqbatcher.openai.batch_lines import BodyError
-from rqbatcher.openai.response_items import answer_messages, input_items
-from rqbatcher.openai.responses_body import (
+from rqbatcher.openai.responses.response_items import answer_messages, input_items
+from rqbatcher.openai.responses.responses_body import (
     RESPONSE_ID_PREFIX,
     echo_fields,
     finished_status,
     parse_responses_body,
     response_object,
 )
-from rqbatcher.responses.records import DEFAULT_RESPONSE_RETENTION_S, ResponseNotFound, ResponseRecord, ResponseRecords
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
 
-RESULT_WAIT_S = 30.0  # a finished job's result is recorded with its end; this only bounds a Redis hiccup
 JOB_STATUSES = {"queued": "queued", "deferred": "queued", "scheduled": "queued", "started": "in_progress",
                 "canceled": "cancelled", "stopped": "cancelled", "failed": "failed"}  # RQ's -> OpenAI's
 FINISHED_STATUSES = ("completed", "incomplete")
@@ -93,7 +97,7 @@ async def create_response(request: Request):
         return EventStreamResponse(_events(request, generation, render, after=-1, cancels=not echo["background"]))
     if echo["background"]:
         return JSONResponse(response_object(generation, None, status="queued", **render))
-    result = await _result_when_ended(request, job_id)
+    result = await request.app.state.jobs.result_when_ended(request, job_id)
     return JSONResponse(response_object(generation, result, status=finished_status(result), **render))
 
 
@@ -102,7 +106,7 @@ def _start(request: Request, generation: GenerationRequest, job_id: str, body: d
     """Check the model, store the record (before the job can end), enqueue; the model it runs on. A response
     that is not stored keeps its job's result and stream only as long as any job's."""
     client = _client(request) if echo["store"] else request.app.state.client
-    model = _served_model(client, generation)
+    model = request.app.state.jobs.served_model(generation)
     records = _records(request)
     record = ResponseRecord(id=RESPONSE_ID_PREFIX + job_id, tenant=request.state.tenant, created_at=created,
                             model=model, request=generation, echo=echo,
@@ -153,7 +157,7 @@ async def _events(request: Request, generation: GenerationRequest, render: dict,
         for event in builder.opening():
             if event["sequence_number"] > after:
                 yield sse(event)
-        async with aclosing(job_streams.events(app.state.aconnection, _client(request), job_id)) as job_events:
+        async with aclosing(app.state.jobs.events(job_id)) as job_events:
             async for job_event in job_events:
                 for event in builder.feed(job_event):
                     if event["sequence_number"] > after:
@@ -163,7 +167,7 @@ async def _events(request: Request, generation: GenerationRequest, render: dict,
     finally:
         app.state.metrics.streams.dec()
         if cancels and not builder.ended:
-            await _cancel(_client(request), job_id)
+            await app.state.jobs.cancel(job_id, _client(request))
 
 
 # ----- a stored response -----

@@ -1,4 +1,4 @@
-"""The Redis job system: keys and queue names, connections, enqueue, the fair pick, a job's life and stream,
+"""The Redis job system: keys and queue names, connections, enqueue, the fair pick, a job's life, end and stream,
 and RQ's internals (rq_adapter.py, the only module that touches them).
 
 `rqbatcher.jobs.generate` is the function every queued job names (contract.py), so it stays importable here: a

@@ -2,7 +2,7 @@
 
 A producer enqueues `generate` with `GenerationRequest.model_dump(mode="json")` as its only
 argument and RQ's JSONSerializer. Only `batcher worker` runs these jobs, many at once on one model
-(`rqbatcher.jobs.life` decodes a job and records its end).
+(`rqbatcher.jobs.life` decodes a job, `rqbatcher.jobs.ends` records its end).
 """
 
 from __future__ import annotations

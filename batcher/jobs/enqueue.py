@@ -15,7 +15,7 @@ from rqbatcher.errors import BatcherError
 from rqbatcher.jobs import durability, keys
 from rqbatcher.jobs.contract import JOB_FUNCTION, job_argument
 from rqbatcher.jobs.fairness import note_on
-from rqbatcher.jobs.queues import class_queue, parse_queue
+from rqbatcher.jobs.queues import backlog_add_on, class_queue, parse_queue
 from rqbatcher.jobs.rq_adapter import Job, Queue, rq_queue
 from rqbatcher.schema import GenerationRequest
 from rqbatcher.service_class import INTERACTIVE, class_of
@@ -94,6 +94,8 @@ class Enqueuer:
         if classed:  # queues of a class or a tenant: workers and `batcher queues` find them here
             pipe.sadd(keys.class_queues_key(self.queue), *classed)
         jobs = [self.rq_queue(name).enqueue_many([data], pipeline=pipe)[0] for name, data in prepared]
+        for (name, _), job in zip(prepared, jobs):
+            backlog_add_on(pipe, name, {job.id: job.ttl})  # what an autoscaler counts of the batch queues
         noted = [(name, request, job.id) for request, (name, _), job in zip(requests, prepared, jobs)]
         note_on(pipe, self.queue, noted, max([self.queue_ttl] + [job.ttl or 0 for job in jobs]))
         return jobs

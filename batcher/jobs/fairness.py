@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from rqbatcher.jobs import keys
-from rqbatcher.jobs.queues import NO_TENANT, parse_queue, tenant_token
+from rqbatcher.jobs.queues import NO_TENANT, backlog_remove_on, parse_queue, tenant_token
 from rqbatcher.jobs.redis_text import as_text
 from rqbatcher.service_class import BATCH, DEADLINE_BOOST_S
 
@@ -288,9 +288,10 @@ def note_on(pipe, base: str, jobs: list[tuple[str, object, str]], ttl: int) -> N
 
 def forget_on(pipe, queue: str, job_ids: list[str]) -> None:
     """Queue, on the pipeline that takes queued jobs out of `queue` without the pick (a cancel, a batch's sweep),
-    the removal of what `note_on` noted of them."""
+    the removal of what `note_on` noted of them, and of their backlog entries."""
     if parse_queue(queue).service_class == BATCH:
         pipe.zrem(keys.due_key(queue), *job_ids)
+        backlog_remove_on(pipe, queue, job_ids)
     else:
         pipe.hdel(keys.job_tenants_key(keys.base_queue(queue)), *job_ids)
 

@@ -1,11 +1,11 @@
 """The completion feed: one Redis Stream per queue and one per batch, one entry per finished job.
 
 The worker adds the entries in the transaction that records the job's result
-(`batches.lines.record_outcome_on`). Subscribers read a feed with a consumer group: each entry goes to one
-consumer of the group, is acknowledged once the consumer's code has handled it, and an entry whose
-consumer died before acknowledging it is claimed by another consumer after `claim_idle_s`. Delivery
-is at least once: a consumer that dies after handling an entry but before acknowledging it sees the
-entry handled again elsewhere.
+(`rqbatcher.batches.lines.record_outcome_on`, called by `rqbatcher.jobs.ends.record_end`). Subscribers read a
+feed with a consumer group: each entry goes to one consumer of the group, is acknowledged once the consumer's
+code has handled it, and an entry whose consumer died before acknowledging it is claimed by another consumer after
+`claim_idle_s`. Delivery is at least once: a consumer that dies after handling an entry but before acknowledging
+it sees the entry handled again elsewhere.
 """
 
 from __future__ import annotations

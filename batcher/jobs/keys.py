@@ -290,7 +290,7 @@ def webhook_tenant_key(tenant: str | None) -> str:
     return WEBHOOK_NO_TENANT if tenant is None else WEBHOOK_TENANT_PREFIX + check_owner(tenant)
 
 
-# ----- stored responses of /v1/responses (batcher/responses/records.py) -----
+# ----- stored responses of /v1/responses (batcher/gateway/response_records.py) -----
 RESPONSE_PREFIX = "batcher:response:"
 RESPONSE_ID_RE = re.compile(r"resp_[A-Za-z0-9]{1,64}")  # GenerationRequest.background_response's pattern
 
@@ -303,5 +303,5 @@ def check_response_id(response_id: str) -> str:
 
 def response_key(response_id: str) -> str:
     """String: one stored response as JSON (its tenant, request, input items and conversation); the response's
-    output is its job's result (`resp_<job id>`), kept as long (batcher/responses/records.py)."""
+    output is its job's result (`resp_<job id>`), kept as long (batcher/gateway/response_records.py)."""
     return RESPONSE_PREFIX + check_response_id(response_id)

@@ -1,14 +1,4 @@
-"""A job's life on Redis, in one place: what it carries, how its end is recorded, how it is cancelled.
-
-A job ends in one of three hands, and each records the end with `record_end`, on the transaction it already
-runs:
-- the worker that ran it (finished, failed, or stopped by a cancel), in the transaction fenced by its lease;
-  its own fenced stream writer has buffered the terminal stream event;
-- the worker that recovered it after its worker was lost (cancelled meanwhile, or started too often);
-- the client that cancelled it while it was still queued.
-`record_end` queues RQ's side of the end (the Result and registries, or RQ's cancel for a job that never
-started), the terminal stream event where the caller has no fenced writer, the batch line, counts and
-completion-feed entries (`rqbatcher.batches.lines`), and a background response's webhook event (on the outbox).
+"""A job's life on Redis: what it carries, and how it is cancelled (its end is recorded by `rqbatcher.jobs.ends`).
 
 A cancel is recorded in Redis (`keys.cancel_key`) before RQ's stop-job command is sent, so it wins even where
 no worker hears the command: a worker checks it when it starts the job, each time it renews the job's lease,
@@ -17,47 +7,22 @@ and when it recovers the job of a lost worker.
 
 from __future__ import annotations
 
-import json
-import time
-from typing import Literal
-
 from pydantic import ValidationError
 from redis import Redis
 
-from rqbatcher.batches.lines import record_outcome_on
+from rqbatcher.errors import readable
 from rqbatcher.jobs import durability, keys
 from rqbatcher.jobs.contract import JOB_FUNCTION
+from rqbatcher.jobs.ends import TERMINAL_STATUSES, OutcomeRecorder, record_end
 from rqbatcher.jobs.fairness import forget_on
-from rqbatcher.jobs.rq_adapter import (
-    BaseJobWorker,
-    DeserializationError,
-    Execution,
-    InvalidJobOperation,
-    Job,
-    JobStatus,
-    Queue,
-    cancel_taken_on,
-    failure_ttl,
-    rq_queue,
-    stop_job,
-)
-from rqbatcher.jobs.stream import append_event
-from rqbatcher.openai.batch_lines import readable
-from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent
+from rqbatcher.jobs.rq_adapter import DeserializationError, InvalidJobOperation, Job, JobStatus, rq_queue, stop_job
+from rqbatcher.schema import GenerationRequest
 
-# RQ's statuses of a job that has ended: nothing will run it again, and its end is recorded.
-TERMINAL_STATUSES = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED)
 CANCELLED_WHILE_QUEUED = "cancelled while queued"
 PICKLED_JOB_REASON = (
     "the job data is not JSON; it was probably enqueued with RQ's default pickle serializer. Enqueue with "
     "serializer=rq.serializers.JSONSerializer (a batcher worker never unpickles job data)"
 )
-
-EndStatus = Literal["finished", "failed", "stopped"]
-# How a background response's end is announced (its webhook event `response.<ending>`): a finished job that ran out
-# of tokens or time is an incomplete response
-INCOMPLETE_FINISH_REASONS = ("length", "timeout")
-RESPONSE_ENDINGS = {"finished": "completed", "failed": "failed", "stopped": "cancelled"}
 
 
 class InvalidJob(ValueError):
@@ -89,59 +54,12 @@ def readable_request(job: Job) -> GenerationRequest | None:
         return None
 
 
-# ----- how a job ends -----
-def terminal_event(status: EndStatus, result: GenerationResult | None = None, reason: str | None = None,
-                   execution_id: str | None = None) -> StreamEvent:
-    """The last event of a job's stream: `done` with the finish reason, usage and whole result, or `error` with
-    the reason."""
-    if status == "failed":
-        return StreamEvent(type="error", execution_id=execution_id, error=reason)
-    return StreamEvent(type="done", execution_id=execution_id,
-                       finish_reason="cancelled" if result is None else result.finish_reason,
-                       usage=None if result is None else result.usage, result=result)
-
-
-def record_end(pipe, job: Job, queue: Queue, status: EndStatus, *, request: GenerationRequest | None,
-               result: GenerationResult | None = None, reason: str | None = None,
-               worker: BaseJobWorker | None = None, execution: Execution | None = None,
-               stream_event: bool = True) -> None:
-    """Queue on `pipe` (a transaction in MULTI) everything that records the end of `job`.
-
-    `status`: finished (with `result`), failed (with `reason`) or stopped (cancelled; with the partial `result`
-    where it ran). With `worker` and `execution`, RQ records it as that execution's end (Result, registries,
-    worker counters); without, the job never started and RQ records a cancel. `stream_event=False` where the
-    caller's fenced stream writer has the terminal event."""
-    if worker is None:
-        cancel_taken_on(pipe, queue, [job.id])
-    elif status == "finished":
-        worker.success_on(pipe, job, queue, execution, result.model_dump(mode="json"))
-    else:
-        worker.failure_on(pipe, job, queue, execution, reason, stopped=status == "stopped")
-    if stream_event:
-        ttl = worker.result_ttl(job) if status == "finished" else failure_ttl(job)
-        append_event(pipe, job.id, terminal_event(status, result, reason), ttl)
-    record_outcome_on(pipe, job_id=job.id, queue=queue.name, status=status, request=request, result=result,
-                      reason=reason)
-    if request is not None and request.background_response:
-        announce_response_end_on(pipe, request, status, result)
-
-
-def announce_response_end_on(pipe, request: GenerationRequest, status: EndStatus,
-                             result: GenerationResult | None) -> None:
-    """Push a background response's end onto the webhook outbox (batcher/webhooks), in the transaction that records
-    it: announced once it happened, never lost."""
-    ending = RESPONSE_ENDINGS[status]
-    if status == "finished" and result is not None and result.finish_reason in INCOMPLETE_FINISH_REASONS:
-        ending = "incomplete"
-    pipe.rpush(keys.WEBHOOK_OUTBOX, json.dumps({"type": f"response.{ending}", "id": request.background_response,
-                                                "tenant": request.tenant, "created_at": int(time.time())}))
-
-
 # ----- cancel -----
-def cancel(connection: Redis, job: Job, status: JobStatus, replica_wait: durability.ReplicaWait | None = None) -> bool:
-    """Cancel a job (its current `status` just read): a queued one never runs, a running one stops within one
-    step (its partial text stays in its stream), and one whose worker was lost is not started again. False if
-    the job had already ended."""
+def cancel(connection: Redis, job: Job, status: JobStatus, record_outcome: OutcomeRecorder,
+           replica_wait: durability.ReplicaWait | None = None) -> bool:
+    """Cancel a job (its current `status` just read): a queued one never runs (its end recorded at once, its
+    outcome by `record_outcome`), a running one stops within one step (its partial text stays in its stream), and
+    one whose worker was lost is not started again. False if the job had already ended."""
     if status in TERMINAL_STATUSES:
         return False
     _record_cancels(connection, [job.id])  # first: from here on, no worker runs it, whatever happens next
@@ -149,7 +67,8 @@ def cancel(connection: Redis, job: Job, status: JobStatus, replica_wait: durabil
     if queue.remove(job.id):  # atomic: no worker can take it any more
         with connection.pipeline() as pipe:
             pipe.multi()
-            record_end(pipe, job, queue, "stopped", request=readable_request(job), reason=CANCELLED_WHILE_QUEUED)
+            record_end(pipe, job, queue, "stopped", request=readable_request(job), record_outcome=record_outcome,
+                       reason=CANCELLED_WHILE_QUEUED)
             forget_on(pipe, queue.name, [job.id])
             pipe.delete(keys.cancel_key(job.id))
             pipe.execute()

@@ -31,6 +31,7 @@ from rq.suspension import WORKERS_SUSPENDED
 from rq.utils import get_version, now
 from rq.worker import BaseWorker, WorkerStatus
 
+from rqbatcher.jobs.queues import backlog_add_on, backlog_remove_on
 from rqbatcher.jobs.redis_text import as_text
 
 # The worker's modules take RQ's public names from here too, so that they never import rq themselves.
@@ -111,10 +112,29 @@ class BaseJobWorker(BaseWorker):
             raise exc
 
     # ----- taking and starting jobs -----
-    def wait_for_work(self, queue: Queue, timeout: int) -> bool:
-        """Block until `queue` holds a job (at most `timeout` s), without taking it: a BLMOVE of the queue's head
-        onto itself, which leaves the queue as it was. The fair pick then chooses which job to take."""
-        return self.connection.blmove(queue.key, queue.key, timeout, "LEFT", "LEFT") is not None
+    def wait_for_work(self, queues: list[Queue], timeout: float, poll_s: float,
+                      registries: dict[str, int] | None = None) -> bool:
+        """Wait until any of `queues` holds a job, or a registry of queues (a set: its key -> its size as last read)
+        changed, at most `timeout` s, without taking anything: the fair pick then chooses which job to take.
+
+        Redis blocks without popping on one list only (a BLMOVE of its head onto itself), a multi-list pop can lose
+        a job when its worker dies, and a blocking command's timeout is only as fine as the server's `hz` (100 ms by
+        default): so every `poll_s` one EXISTS asks after every queue at once (an empty list does not exist), and a
+        job on any of them, a plain RQ producer's too, is seen within `poll_s`."""
+        registries = registries or {}
+        deadline = time.monotonic() + timeout
+        every = [queue.key for queue in queues]
+        while True:
+            with self.connection.pipeline(transaction=False) as pipe:
+                pipe.exists(*every)
+                for key in registries:
+                    pipe.scard(key)
+                waiting, *sizes = pipe.execute()
+            if waiting or sizes != list(registries.values()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(poll_s, max(deadline - time.monotonic(), 0)))
 
     def stranded(self, queues: list[Queue]) -> dict[Queue, list[str]]:
         """The job ids waiting in each queue's intermediate list: taken, not started (yet)."""
@@ -142,7 +162,13 @@ class BaseJobWorker(BaseWorker):
 
     def drop_taken(self, queue: Queue, job_id: str, pipe=None) -> None:
         """Forget a taken job that nothing can run (deleted meanwhile, unreadable, or a duplicate), now or on `pipe`."""
-        (self.connection if pipe is None else pipe).lrem(queue.intermediate_queue_key, 1, job_id)
+        if pipe is None:
+            with self.connection.pipeline() as own:
+                self.drop_taken(queue, job_id, own)
+                own.execute()
+            return
+        pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+        backlog_remove_on(pipe, queue.name, [job_id])
 
     def start_on(self, pipe, job: Job, queue: Queue) -> Execution:
         """Queue, on a MULTI pipeline, what starts `job` as an Execution of this worker.
@@ -152,6 +178,7 @@ class BaseJobWorker(BaseWorker):
         execution = Execution.create(job, RQ_REGISTRY_HORIZON_S, pipeline=pipe, worker_name=self.name)
         job.prepare_for_execution(self.name, pipeline=pipe)
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        backlog_remove_on(pipe, queue.name, [job.id])
         pipe.persist(job.key)  # the queue TTL no longer applies
         return execution
 
@@ -203,6 +230,7 @@ class BaseJobWorker(BaseWorker):
         """Queue the end of an execution and the job's return to the front of its queue, without using a retry."""
         execution.delete(job=job, pipeline=pipe)
         queue.enqueue_job(job, pipeline=pipe, at_front=True)
+        backlog_add_on(pipe, queue.name, {job.id: job.ttl})
 
     # ----- maintenance -----
     def clean_registries(self) -> None:
@@ -258,16 +286,22 @@ def requeue_failed_jobs(queue: Queue) -> list[str]:
     job_ids = registry.get_job_ids()
     for job_id in job_ids:
         registry.requeue(job_id)
+        # RQ's requeue takes no pipeline: counted after it, so a crash between undercounts, never counts a ghost
+        with queue.connection.pipeline() as pipe:
+            backlog_add_on(pipe, queue.name, {job_id: None})
+            pipe.execute()
     return job_ids
 
 
 def cancel_taken_on(pipe, queue: Queue, job_ids: Iterable[str]) -> None:
     """Queue, for jobs just taken out of `queue`'s list, what RQ's cancel records: the status and the
     canceled registry."""
+    job_ids = list(job_ids)
     for job_id in job_ids:
         job = Job(job_id, connection=queue.connection, serializer=JSONSerializer)
         job.set_status(JobStatus.CANCELED, pipeline=pipe)
         queue.canceled_job_registry.add(job, pipeline=pipe)
+    backlog_remove_on(pipe, queue.name, job_ids)
 
 
 def held_job_ids(connection: Redis, queues: list[Queue], prefix: str) -> tuple[set[str], set[str]]:

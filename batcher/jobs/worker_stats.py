@@ -7,7 +7,7 @@ name to `keys.WORKERS_SET`; `rqbatcher.jobs.admin.list_workers` reads them back 
 from __future__ import annotations
 
 import time
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from rqbatcher.jobs.redis_text import as_text
@@ -28,10 +28,14 @@ class WorkerStats:
     kv_usage: float  # fraction of KV-cache blocks in use
     tokens_per_s: float  # generated since the previous heartbeat
     last_heartbeat: float  # time.time()
-    dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved); unknown from an older worker
+    dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved)
     prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over those looked up, since start
     in_flight_by_class: str = ""  # e.g. "interactive=2,batch=30" (batcher/service_class.py)
-    step_time_target_s: float = 0.0  # while urgent work is about (workers/scheduler/step_budget.py); 0: none
+    step_time_target_s: float = 0.0  # the last step's, given or measured (workers/scheduler/step_budget.py); 0: none
+    step_target_infeasible: int = 0  # 1: the given target is below what the decodes alone cost; the measured one runs
+    urgent_prompt_tokens: int = 0  # prompt tokens the last step gave to priority and interactive work
+    batch_prompt_tokens: int = 0  # and to batch work
+    prefix_blocks_awaited: int = 0  # since start: blocks requests waited for another's prefill to fill, not computed
     step_s: float = 0.0  # the engine's recent step time, measured (a moving average)
     vocab_size: int = 0  # its model's; the gateway refuses a logit_bias id past it (batcher/logit_bias.py); 0: unknown
     tasks: str = "generate"  # what it serves, comma-separated: generate, embed (`--task`, or its model's config)
@@ -47,13 +51,10 @@ class WorkerStats:
 
     @classmethod
     def from_hash(cls, raw: dict) -> WorkerStats:
-        """Parse a hash as redis-py returns it (bytes or str); fields a newer worker added are ignored, and
-        fields an older worker did not publish take their default."""
+        """Parse a hash as redis-py returns it (bytes or str): a worker publishes every field at once, so a hash
+        that lacks one is not a worker's."""
         text = {as_text(k): as_text(v) for k, v in raw.items()}
-        values = {}
-        for f in fields(cls):
-            if f.name not in text and f.default is not MISSING:
-                continue
-            kind = {"int": int, "float": float}.get(f.type, str)
-            values[f.name] = kind(text[f.name])
-        return cls(**values)
+        missing = [f.name for f in fields(cls) if f.name not in text]
+        if missing:
+            raise ValueError(f"not a worker's stats: the hash lacks {', '.join(missing)}")
+        return cls(**{f.name: {"int": int, "float": float}.get(f.type, str)(text[f.name]) for f in fields(cls)})

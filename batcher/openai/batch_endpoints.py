@@ -1,5 +1,5 @@
 """The endpoints a batch line may name, each with how its body becomes a job and how its finished job becomes the
-output line: chat completions and completions (batch_lines.py), responses (responses_body.py) and embeddings
+output line: chat completions and completions (batch_lines.py), responses (responses/responses_body.py) and embeddings
 (embeddings_body.py). The line's envelope (custom_id, method, url) is read in batch_lines.parse_batch_line.
 """
 
@@ -22,7 +22,7 @@ from rqbatcher.openai.embeddings_body import (
     encoding_format_of,
     parse_embeddings_body,
 )
-from rqbatcher.openai.responses_body import (
+from rqbatcher.openai.responses.responses_body import (
     RESPONSE_ID_PREFIX,
     RESPONSES_URL,
     finished_status,

@@ -18,10 +18,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from rqbatcher.constraints import InvalidConstraint
+from rqbatcher.errors import readable
 from rqbatcher.openai.logprob_objects import LogprobsError, chat_logprobs, completion_logprobs, requested
-from rqbatcher.openai.service_tiers import SERVICE_TIERS, TIER_OF_CLASS
+from rqbatcher.openai.service_tiers import SERVICE_TIERS
 from rqbatcher.schema import Choice, GenerationRequest, GenerationResult, Usage
-from rqbatcher.service_class import BATCH
 from rqbatcher.tools.calls import read_answer
 
 COMPLETIONS_URL = "/v1/completions"
@@ -53,27 +53,12 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 DROPPED_MESSAGE_FIELDS = ("name", "annotations", "refusal", "audio")  # a participant's name, and what a client
 # copies back from an answer: no template of ours reads them
 GENERATION_ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
-MAX_LISTED_PROBLEMS = 5  # a request with thousands of bad items gets a reason of a few lines, not megabytes
-MAX_PROBLEM_CHARS = 200
 COMPLETION_ID_PREFIX = "cmpl-"  # a response's id is the prefix and the job id
 CHAT_ID_PREFIX = "chatcmpl-"
 # batcher's finish reasons that OpenAI names otherwise; `cancelled` never reaches a response (a cancelled
 # job's batch line is an error line, and the gateway answers it with an error)
 FINISH_REASONS = {"timeout": "length"}
 TOOL_CALLS_FINISH = "tool_calls"  # a chat answer that ended with complete tool calls
-
-
-def readable(exc: ValidationError) -> str:
-    """What pydantic says, without its URLs: the first few problems, each naming its field, and how many
-    there were in all."""
-    errors = exc.errors()
-    parts = []
-    for err in errors[:MAX_LISTED_PROBLEMS]:
-        where = ".".join(str(p) for p in err["loc"]) or "request"
-        parts.append(f"{where}: {err['msg']}"[:MAX_PROBLEM_CHARS])
-    if len(errors) > MAX_LISTED_PROBLEMS:
-        parts.append(f"and {len(errors) - MAX_LISTED_PROBLEMS} more ({len(errors)} problems in all)")
-    return "; ".join(parts)
 
 
 def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> GenerationRequest:
@@ -298,15 +283,6 @@ def _chat_choice(choice: Choice, request_id: str, reads_calls: bool) -> dict:
         finish_reason = TOOL_CALLS_FINISH if finish_reason == "stop" else finish_reason
     return {"index": choice.index, "message": message, "logprobs": chat_logprobs(choice.logprobs),
             "finish_reason": finish_reason}
-
-
-def response_line(custom_id: str | None, result: GenerationResult, endpoint: str = COMPLETIONS_URL,
-                  request_id: str | None = None, created: int | None = None,
-                  request: GenerationRequest | None = None) -> dict:
-    """A successful output line; its body is the endpoint's OpenAI object (`response_body`), run in the batch
-    class (whatever tier the line asked for)."""
-    return success_line(custom_id, response_body(result, endpoint, request_id, created, TIER_OF_CLASS[BATCH],
-                                                 request), request_id)
 
 
 def success_line(custom_id: str | None, body: dict, request_id: str | None = None) -> dict:

@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rqbatcher.openai.batch_lines import BodyError, readable
+from rqbatcher.errors import readable
+from rqbatcher.openai.batch_lines import BodyError
 from rqbatcher.schema import MAX_EMBED_INPUTS, GenerationRequest, GenerationResult
 
 EMBEDDINGS_URL = "/v1/embeddings"

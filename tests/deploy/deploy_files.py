@@ -16,7 +16,7 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 GPU_WORKERS = ("worker-gpu-0", "worker-gpu-1")
 WORKERS = ("worker", *GPU_WORKERS)
 SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
-HA_SERVICES = ("redis-replica", *SENTINELS, "worker-ha", "gateway-ha")
+HA_SERVICES = ("redis-replica", *SENTINELS, "worker-ha", "gateway-ha", "webhooks-ha")
 WORKER_DNS_NAME = "worker"
 GATEWAY_DNS_NAME = "gateway-metrics"
 MIN_GRACE_S = 60
@@ -44,3 +44,17 @@ def serve_flags() -> set[str]:
     from rqbatcher.cli.serve_commands import serve
 
     return {opt for param in serve.params for opt in param.opts}
+
+
+def webhook_worker_command(args: list[str]) -> None:
+    """Check that `args` (a container's, after the image's `batcher` entrypoint) run `batcher webhooks worker` with
+    options it has."""
+    import click
+
+    from rqbatcher.cli import main
+
+    assert args[:2] == ["webhooks", "worker"], args
+    worker = main.commands["webhooks"].commands["worker"]
+    assert isinstance(worker, click.Command)
+    known = {opt for param in worker.params for opt in param.opts}
+    assert {a for a in args[2:] if a.startswith("--")} <= known, args

@@ -23,12 +23,13 @@ from tests.deploy.deploy_files import (
     flag,
     seconds,
     serve_flags,
+    webhook_worker_command,
 )
 
 
 def test_compose_has_every_service(compose):
-    assert set(compose["services"]) == {"redis", *WORKERS, "gateway", "producer", "rq-dashboard", "prometheus",
-                                        "grafana", *HA_SERVICES}
+    assert set(compose["services"]) == {"redis", *WORKERS, "gateway", "webhooks", "producer", "rq-dashboard",
+                                        "prometheus", "grafana", *HA_SERVICES}
 
 
 def test_compose_redis_keeps_an_append_only_file(compose):
@@ -122,7 +123,7 @@ def test_compose_ha_profile_adds_a_replica_three_sentinels_and_a_pool_that_follo
         assert "--sentinel" in config and "announce-hostnames yes" in config
         monitored.add(service)
     (service,) = monitored
-    for name, plain in (("worker-ha", "worker"), ("gateway-ha", "gateway")):
+    for name, plain in (("worker-ha", "worker"), ("gateway-ha", "gateway"), ("webhooks-ha", "webhooks")):
         target = parse_sentinel_url(services[name]["environment"]["BATCHER_REDIS_URL"])
         assert target.service == service and sorted(target.sentinels) == [(s, 26379) for s in SENTINELS]
         assert services[name]["command"] == services[plain]["command"]
@@ -164,3 +165,15 @@ def test_compose_gateway_listens_with_keys_on_loopback_and_is_health_checked(com
     assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
     assert gateway["build"]["target"] == "gateway"
     assert GATEWAY_DNS_NAME in gateway["networks"]["default"]["aliases"]
+
+
+def test_compose_delivers_webhooks_with_a_light_worker_that_stops_warm(compose):
+    """Ended batches and background responses announce themselves on the outbox; only this service delivers them."""
+    webhooks = compose["services"]["webhooks"]
+    webhook_worker_command(webhooks["command"])
+    assert webhooks["build"]["target"] == "gateway" and webhooks["image"] == compose["services"]["gateway"]["image"]
+    assert webhooks["environment"]["BATCHER_REDIS_URL"] == compose["services"]["gateway"]["environment"][
+        "BATCHER_REDIS_URL"]
+    assert webhooks["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert webhooks["stop_signal"] == "SIGTERM" and seconds(webhooks["stop_grace_period"]) >= MIN_GRACE_S
+    assert webhooks["restart"] == "unless-stopped"

@@ -89,8 +89,8 @@ def test_workers_table_lists_the_live_worker(worker):
     table = cli(url, "workers").output
     assert name in table and "FREE_SLOTS" in table and "TOKENS_PER_S" in table and me["dtype"] in table
     assert "PREFIX_HITS" in table and me["prefix_cache_hit_rate"] == 0.0
-    assert me["step_time_target_s"] == 0.2 and me["step_s"] == 0.0, "the default target; no step run yet"
-    assert "STEP_TARGET" in table and "200ms" in table
+    assert me["step_time_target_s"] == 0.0 and me["step_s"] == 0.0, "no step run yet: no target has bound one"
+    assert "STEP_TARGET" in table and "PROMPT_URGENT/BATCH" in table and "AWAITED" in table
 
 
 def test_metrics_scraped_over_http_move_while_jobs_run(worker):

@@ -24,9 +24,9 @@ from rqbatcher.client import Client
 from rqbatcher.jobs import keys
 from rqbatcher.jobs.admin import list_workers
 from rqbatcher.jobs.worker_stats import WorkerStats
-from rqbatcher.workers.bench.letter_engine import EMBEDDING_SIZE, letter_vector
 from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
+from tests.letter_engine import EMBEDDING_SIZE, letter_vector
 from tests.reliability.support import free_port
 from tests.tiny_models import build_embedding_model
 
@@ -43,7 +43,7 @@ import sys, threading
 from rqbatcher.client import connect
 from rqbatcher.jobs import keys
 from tests.fake_engine import FakeEngine
-from rqbatcher.workers.bench.letter_engine import LetterEngine
+from tests.letter_engine import LetterEngine
 from rqbatcher.workers.job_worker.worker import JobWorker
 url, queue, embedder, writer = sys.argv[1:]
 for name, engine in ((embedder, FakeEngine()), (writer, LetterEngine(name=writer))):
@@ -161,6 +161,8 @@ def test_a_client_that_leaves_cancels_its_job(server, e2e_redis):
                         kv_usage=0.0, tokens_per_s=0.0, last_heartbeat=0.0, tasks="embed", embedding_size=8)
     connection.hset(keys.worker_stats_key(IDLE), mapping=stats.to_dict())
     connection.sadd(keys.WORKERS_SET, IDLE)
+    wait_for(lambda: IDLE in [m["id"] for m in httpx.get(f"{base}/models").json()["data"]], 10,
+             "the gateway to see the idle worker (it reads the live workers at most once a second)")
     jobs = set(connection.keys("rq:job:*"))
     try:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection

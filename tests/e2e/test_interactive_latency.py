@@ -1,7 +1,7 @@
 """End to end: interactive latency bounded by a step-time target, and fairness between interactive tenants by
 preemption, with one real `batcher worker` (tiny model, 4 slots), a real `batcher serve` with two API keys (two
 tenants) and the official `openai` SDK. The target (0.5 ms) is below any step's cost, so it binds on any CPU;
-`workers/bench/experiments/mixed_load.py` measures the issue's figures on SmolLM2."""
+`benchmarks/mixed_load.py` measures the issue's figures on SmolLM2."""
 
 from __future__ import annotations
 

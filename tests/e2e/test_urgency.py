@@ -1,6 +1,6 @@
 """End to end: service classes and fairness with two real `batcher worker` processes (tiny model, 4 slots each,
 sharing one Redis and its fairness counters), a real `batcher serve` with two API keys (two tenants), and the
-official `openai` SDK. Sizes are scaled down from the issue's targets; `workers/bench/experiments/mixed_load.py`
+official `openai` SDK. Sizes are scaled down from the issue's targets; `benchmarks/mixed_load.py`
 measures them.
 
 The crash test SIGKILLs one worker and comes last."""

@@ -1,6 +1,6 @@
 """What a benchmark records of one system's run, and the helpers every system's runner shares.
 
-Every system (batcher in `rqbatcher.workers.bench.run`, the transformers baselines in `rqbatcher.workers.bench.peers`)
+Every system (batcher in `rqbatcher.workers.bench.run`, the peers of `python -m benchmarks.compare` from a checkout)
 produces a `SystemRun`: when each token appeared, which tokens, what each step computed, and the
 peak memory. `rqbatcher.workers.bench.report` then derives every metric the same way for all of them.
 Arrival times in the workload are honoured: a request is submitted when its time has come.
@@ -12,11 +12,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import psutil
-
+from rqbatcher.errors import BatcherError
 from rqbatcher.workers.bench.workload import WorkloadRequest
 
 RSS_SAMPLE_INTERVAL_S = 0.02
+BENCH_EXTRA = "rqbatcher[bench]"
+
+
+def psutil():
+    """The psutil module (peak memory), or a BatcherError naming the extra that carries it."""
+    try:
+        import psutil
+    except ImportError:
+        raise BatcherError(f"`batcher bench` measures peak memory with psutil: pip install '{BENCH_EXTRA}'") from None
+    return psutil
 
 
 @dataclass
@@ -32,7 +41,6 @@ class SystemRun:
     peak_rss_bytes: int = 0
     preemptions: int = 0
     cached_tokens: dict[str, int] | None = None  # request id -> prompt tokens found in a prefix cache, if reported
-    lone_decode_step_s: float | None = None  # a decode step with one sequence running, where measured
     notes: list[str] = field(default_factory=list)  # how a figure was obtained, where it is an approximation
 
 
@@ -41,7 +49,7 @@ class PeakRss:
     grows over the whole process, so it cannot tell one system's peak from the previous one's."""
 
     def __init__(self, pid: int | None = None) -> None:
-        self._process = psutil.Process(pid)
+        self._process = psutil().Process(pid)
         self._stop = threading.Event()
         self.peak = 0
         self._thread = threading.Thread(target=self._sample, daemon=True)

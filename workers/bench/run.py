@@ -1,11 +1,10 @@
-"""`batcher bench`: one workload through several systems, in one process, on equal terms.
+"""`batcher bench`: one workload through this engine's systems, in one process, on equal terms.
 
-Systems (`rqbatcher.workers.bench.system`): `batcher:continuous` and `batcher:static` (this engine, run here step by
-step, or through Redis and a worker with `@redis`, with or without prefix caching), and the transformers
-baselines `hf-cb`, `hf-static`, `hf-naive` (`rqbatcher.workers.bench.peers`), and llama.cpp's `llama-server`
-(`workers.bench.llama_server`; skipped, with the reason, where it cannot be built). They run one after the other with
-the same weights, slots, page size, token budget and threads; each is warmed up first and freed after.
-Metrics come from `rqbatcher.workers.bench.report`.
+Systems (`rqbatcher.workers.bench.system`): `batcher:continuous` and `batcher:static`, run here step by step, or
+through Redis and a worker with `@redis`, with or without prefix caching. They run one after the other with the same
+weights, slots, page size, token budget and threads; each is warmed up first and freed after. Metrics come from
+`rqbatcher.workers.bench.report`. The peers and the roofline are compared from a checkout
+(`python -m benchmarks.compare`, which runs these systems through `run_on_engine`).
 """
 
 from __future__ import annotations
@@ -13,20 +12,17 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from rqbatcher.config import EngineConfig
 from rqbatcher.schema import GenerationRequest, SamplingParams
-from rqbatcher.workers.bench.llama_server import SystemUnavailable
 from rqbatcher.workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
-from rqbatcher.workers.bench.report import BenchReport, environment, system_report
-from rqbatcher.workers.bench.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
+from rqbatcher.workers.bench.report import BenchReport, bench_report
 from rqbatcher.workers.bench.system import System
-from rqbatcher.workers.bench.workload import WorkloadRequest, shared_prefix_tokens
+from rqbatcher.workers.bench.workload import WorkloadRequest
 from rqbatcher.workers.engine.engine import Engine, build_engine
-from rqbatcher.workers.model.precision import DTYPES, resolve_dtype
+from rqbatcher.workers.model.precision import resolve_dtype
 from rqbatcher.workers.model.runner import resolve_device
 
 
@@ -66,45 +62,25 @@ def run_batcher(engine: Engine, workload: list[WorkloadRequest], name: str) -> S
     return run
 
 
-def run_system(system: System, config: EngineConfig, workload: list[WorkloadRequest],
-               redis_url: str | None = None, threads: int = 1) -> tuple[SystemRun, ModelCost]:
-    """Load the model for one system, run the workload, and return the run and the model's cost."""
-    config = system.engine_config(config)
-    if system.kind == "batcher":
-        engine = build_engine(config)
-        if not system.through_redis:
-            run = run_batcher(engine, workload, system.name)
-            run.lone_decode_step_s = lone_decode_step_s(engine)
-            return run, ModelCost.of(engine.runner.model)
-        from rqbatcher.client import connect
-        from rqbatcher.workers.bench.through_redis import run_batcher_redis
+def run_on_engine(system: System, engine: Engine, workload: list[WorkloadRequest],
+                  redis_url: str | None = None) -> SystemRun:
+    """Run the workload on an engine built with `system.engine_config`: in this process, or through Redis."""
+    if not system.through_redis:
+        return run_batcher(engine, workload, system.name)
+    from rqbatcher.client import connect
+    from rqbatcher.workers.bench.through_redis import run_batcher_redis
 
-        engine.warm_up()
-        vocab = engine.loaded.vocab_size
-        run = run_batcher_redis(engine, workload, system.name, connect(redis_url),
-                                lambda item: workload_request(item, vocab))
-        return run, ModelCost.of(engine.runner.model)
+    engine.warm_up()
+    vocab = engine.loaded.vocab_size
+    return run_batcher_redis(engine, workload, system.name, connect(redis_url),
+                             lambda item: workload_request(item, vocab))
 
-    from rqbatcher.workers.bench import peers
-    from rqbatcher.workers.model.runner import num_kv_blocks
 
-    model = peers.load_hf_model(config)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    if system.kind == "llama-server":
-        from rqbatcher.workers.bench.llama_server import run_llama_server
-        from rqbatcher.workers.model.loading import resolve
-
-        cost = ModelCost.of(model)
-        del model  # the server loads its own copy
-        return run_llama_server(workload, vocab, Path(resolve(config.model)), config, threads, system.name), cost
-    if system.kind == "hf-cb":
-        num_blocks = min(num_kv_blocks(model, config), peers.workload_blocks(workload, config.block_size))
-        run = peers.run_hf_cb(model, workload, vocab, config, num_blocks, system.name)
-    elif system.kind == "hf-static":
-        run = peers.run_hf_static(model, workload, vocab, config.max_num_seqs)
-    else:
-        run = peers.run_hf_naive(model, workload, vocab)
-    return run, ModelCost.of(model)
+def shared_settings(config: EngineConfig, threads: int) -> tuple[EngineConfig, torch.device]:
+    """The settings every system runs with (`dtype="auto"` resolved once) and the device, with `threads` set."""
+    torch.set_num_threads(threads)
+    device = resolve_device(config.device)
+    return replace(config, dtype=resolve_dtype(config.dtype, device)), device
 
 
 def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System], baseline: System,
@@ -112,30 +88,9 @@ def run_bench(workload: list[WorkloadRequest], name: str, systems: list[System],
     """Run every system on the workload and compare them against `baseline` (one of `systems`)."""
     if baseline not in systems:
         raise ValueError(f"the baseline {baseline} must be one of the systems run: {', '.join(map(str, systems))}")
-    torch.set_num_threads(threads)
-    device = resolve_device(config.device)
-    config = replace(config, dtype=resolve_dtype(config.dtype, device))  # every system runs in the same dtype
-    dtype = DTYPES[config.dtype]
-    probe, read = matmul_probe(dtype, str(device)), read_bandwidth(str(device))
-    runs: dict[System, SystemRun] = {}
-    skipped: dict[str, str] = {}
-    cost = None
+    config, device = shared_settings(config, threads)
+    runs = {}
     for system in systems:
-        try:
-            runs[system], cost = run_system(system, config, workload, redis_url, threads)
-        except SystemUnavailable as exc:
-            if system == baseline:
-                raise
-            skipped[system.name] = str(exc)
+        runs[system.name] = run_on_engine(system, build_engine(system.engine_config(config)), workload, redis_url)
         gc.collect()
-    # the better of before and after: the device at its best, so that the limit is a bound
-    probe, read = max(probe, matmul_probe(dtype, str(device))), max(read, read_bandwidth(str(device)))
-    roofline = Roofline.of(workload, cost, dtype, config.max_num_seqs, probe, read)
-    device_name, versions = environment(device)
-    report = BenchReport(workload=name, model=config.model, dtype=config.dtype, threads=threads, device=device_name,
-                         versions=versions, probe_gflop_s=probe / 1e9, baseline=baseline.name,
-                         requests=len(workload), prompt_tokens=sum(w.prompt_len for w in workload),
-                         shared_prefix_tokens=shared_prefix_tokens(workload), roofline=roofline, skipped=skipped)
-    report.systems = [system_report(runs[s], workload, cost, probe, runs[baseline], roofline,
-                                    report.shared_prefix_tokens) for s in systems if s in runs]
-    return report
+    return bench_report(name, workload, runs, baseline.name, config, threads, device)

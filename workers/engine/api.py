@@ -83,7 +83,10 @@ class StepStats:
     num_preempted: int
     duration_s: float
     mix: str = ""  # the classes of work the step carried, most urgent first: "interactive+batch"
-    prompt_token_budget: int = 0  # prompt tokens the step could take: the step-time target's, else the full budget
+    prompt_token_budget: int = 0  # batch prompt tokens the step could take: the step-time target's, else the full one
+    urgent_prompt_tokens: int = 0  # prompt tokens it gave to priority and interactive work (and prefills they await)
+    batch_prompt_tokens: int = 0  # prompt tokens it gave to batch work
+    target_infeasible: bool = False  # the given step-time target was below its decodes' cost: the measured one ran
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ class EngineStats:
     last_step: StepStats | None
     urgency_preemptions: dict[str, int] = field(default_factory=dict)  # since the start, by the preempted's class
     fairness_preemptions: int = 0  # since the start: interactive sequences that gave way to another tenant's
-    step_time_target_s: float = 0.0  # while urgent work is about (0: none)
+    step_time_target_s: float = 0.0  # the last step's target (given or measured; 0: none bound it)
+    prefix_blocks_awaited: int = 0  # since the start: cached blocks sequences waited for a running prefill to fill
     recent_step_s: float = 0.0  # a moving average of the steps' measured wall time
     vocab_size: int = 0  # the model's logits' width: what logit_bias ids must stay below (0: unknown)
     tasks: str = "generate"  # what it serves, comma-separated: generate, embed

@@ -161,7 +161,8 @@ class Engine:
                            prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
                            last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions),
                            fairness_preemptions=scheduler.fairness_preemptions,
-                           step_time_target_s=self.config.step_time_target, recent_step_s=self.recent_step_s,
+                           step_time_target_s=scheduler.budget.step_target_s, recent_step_s=self.recent_step_s,
+                           prefix_blocks_awaited=scheduler.prefix_blocks_awaited,
                            vocab_size=self.loaded.vocab_size, tasks=",".join(self.tasks),
                            embedding_size=facts.size if embeds else 0,
                            matryoshka_dimensions=facts.matryoshka if embeds else "")
@@ -206,7 +207,7 @@ class Engine:
         duration_s = time.perf_counter() - started
         self.scheduler.record_step(computed, duration_s)
         self.recent_step_s += RECENT_STEP_WEIGHT * (duration_s - self.recent_step_s)
-        budget = self.scheduler.budget.prompt_tokens
+        budget = self.scheduler.budget
         classes = {s.service_class for s in plan.num_tokens}
         self.last_step = StepStats(
             step=self.step_index,
@@ -216,7 +217,10 @@ class Engine:
             num_preempted=len(plan.preempted),
             duration_s=duration_s,
             mix="+".join(c for c in CLASSES if c in classes),
-            prompt_token_budget=int(min(budget, self.config.max_num_batched_tokens)),
+            prompt_token_budget=int(min(budget.prompt_tokens, self.config.max_num_batched_tokens)),
+            urgent_prompt_tokens=budget.urgent_tokens,
+            batch_prompt_tokens=budget.batch_tokens,
+            target_infeasible=budget.infeasible,
         )
         self.step_index += 1
         outputs = self.choices.merge(outputs, self.abort)

@@ -7,8 +7,12 @@ All of them are observed when a job ends, from its result's timings and usage an
 - `batcher_urgency_preemptions_total{service_class}`: sequences of a class preempted for more urgent work;
 - `batcher_fairness_preemptions_total`: interactive sequences preempted for another tenant's (apart from those);
 - `batcher_step_seconds{mix}`: each step's wall time, by the classes of work it carried ("interactive+batch");
-- `batcher_step_prompt_token_budget`: the prompt tokens the last step could take: the step-time target's while
-  urgent work is about (workers/scheduler/step_budget.py), else the full token budget.
+- `batcher_step_prompt_token_budget`: the batch prompt tokens the last step could take: the step-time target's
+  while urgent work is about (workers/scheduler/step_budget.py), else the full token budget;
+- `batcher_step_prompt_tokens_total{kind}`: prompt tokens the steps gave to urgent work (priority, interactive, and
+  the prefills they wait for) and to batch work;
+- `batcher_step_target_infeasible`: 1 while the given step-time target is below what the decodes alone cost (the
+  measured target then runs), else 0.
 Tenants are labels only for the first MAX_TENANT_LABELS a worker sees; the rest count as `other`, so a pool
 with thousands of keys keeps a bounded number of series.
 """
@@ -75,6 +79,12 @@ class ClassMetrics:
         self._budget = Gauge("batcher_step_prompt_token_budget", "Prompt tokens the last step could take: the "
                              "step-time target's while urgent work is about, else the full budget.", [MODEL_LABEL],
                              registry=registry).labels(self._model)
+        self._prompt_tokens = Counter("batcher_step_prompt_tokens", "Prompt tokens the steps gave to urgent work "
+                                      "(priority, interactive) and to batch work.", [MODEL_LABEL, "kind"],
+                                      registry=registry)
+        self._infeasible = Gauge("batcher_step_target_infeasible", "1 while the given step-time target is below what "
+                                 "the decodes alone cost (the measured target runs instead).", [MODEL_LABEL],
+                                 registry=registry).labels(self._model)
         self._engine = engine
         self._last_step_seen: int | None = None
         registry.register(_UrgencyPreemptions(engine))
@@ -105,6 +115,9 @@ class ClassMetrics:
             self._last_step_seen = step.step
             self._step_seconds.labels(self._model, step.mix).observe(step.duration_s)
             self._budget.set(step.prompt_token_budget)
+            self._prompt_tokens.labels(self._model, "urgent").inc(step.urgent_prompt_tokens)
+            self._prompt_tokens.labels(self._model, "batch").inc(step.batch_prompt_tokens)
+            self._infeasible.set(int(step.target_infeasible))
 
     def worker_hooks(self) -> dict:
         return {"on_job_end": lambda worker, end: self.observe_end(end),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from rqbatcher.jobs import keys
-from rqbatcher.jobs.fairness import Candidate, Picker, charge_on
+from rqbatcher.jobs.fairness import Candidate, Picker
 from rqbatcher.jobs.queues import parse_queue, tenant_token
 from rqbatcher.jobs.redis_text import as_text
 from rqbatcher.jobs.rq_adapter import taken_list_key
@@ -104,10 +104,3 @@ def in_flight_by_class(in_flight) -> str:
     """How many jobs in flight run in each class, most urgent first (what `batcher workers` shows)."""
     counts = Counter(class_of(f.request) if f.request is not None else INTERACTIVE for f in in_flight)
     return ",".join(f"{c}={counts[c]}" for c in CLASSES if counts[c])
-
-
-def charge_end_on(pipe, queue_name: str, tenant: str, result) -> None:
-    """Queue the charge of the tenant the pick charged, for a job that ended (nothing generated when it carries no
-    result)."""
-    usage = result.usage if result is not None else None
-    charge_on(pipe, queue_name, tenant, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)

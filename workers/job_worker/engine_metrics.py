@@ -51,7 +51,8 @@ MODEL_LABEL = "model_name"
 
 class _PrefixCacheCollector:
     """vLLM's `prefix_cache_queries` and `prefix_cache_hits`, in tokens: prompt tokens looked up in the
-    prefix cache when a request is first admitted, and those found there. Their rates' ratio is the hit rate."""
+    prefix cache when a request is first admitted, and those found there. Their rates' ratio is the hit rate.
+    And `prefix_blocks_awaited`: blocks that requests waited for another's prefill to fill, rather than compute."""
 
     def __init__(self, engine: EngineProtocol) -> None:
         self._engine = engine
@@ -65,6 +66,11 @@ class _PrefixCacheCollector:
             family = CounterMetricFamily(name, doc, labels=[MODEL_LABEL])
             family.add_metric([model], tokens)
             yield family
+        awaited = CounterMetricFamily("batcher_prefix_blocks_awaited", "Prompt blocks requests waited for another "
+                                      "request's prefill in flight to fill, rather than compute them again.",
+                                      labels=[MODEL_LABEL])
+        awaited.add_metric([model], self._engine.stats().prefix_blocks_awaited)
+        yield awaited
 
 
 class EngineMetrics:

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from rqbatcher.jobs import life as job_life
+from rqbatcher.jobs import ends as job_ends
 from rqbatcher.jobs.contract import bounded_reason
 from rqbatcher.jobs.rq_adapter import Execution, Job, Queue
 from rqbatcher.schema import GenerationRequest, GenerationResult
 
-EndStatus = job_life.EndStatus | Literal["lost"]  # lost: another worker holds the job now
+EndStatus = job_ends.EndStatus | Literal["lost"]  # lost: another worker holds the job now
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""Where a worker's jobs end on Redis: their results recorded, or their return to the queue on a force-stop.
+"""The worker's side of its jobs' ends: each end recorded (by `rqbatcher.jobs.ends.record_end`), or the jobs' return
+to the queue on a force-stop, with the release of their leases and of their buffered stream events.
 
-Both run as one transaction fenced by the jobs' leases (`workers.job_worker.leases.fenced`): Redis applies it only while
-this worker still holds each lease, so a worker that lost a job's lease (cut off from Redis for longer than it)
+Both run as one transaction fenced by the jobs' leases (`workers.job_worker.leases.fenced`): Redis applies it only
+while this worker still holds each lease, so a worker that lost a job's lease (cut off from Redis for longer than it)
 writes nothing more of it, and another worker's run of the job is never overwritten.
 """
 
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
+from rqbatcher.batches.lines import record_outcome_on
 from rqbatcher.jobs import durability, keys
-from rqbatcher.jobs.life import record_end
+from rqbatcher.jobs.ends import record_end
 from rqbatcher.jobs.rq_adapter import BaseJobWorker
 from rqbatcher.webhooks.outbox import dispatch_after
-from rqbatcher.workers.job_worker.class_pick import charge_end_on
 from rqbatcher.workers.job_worker.in_flight import InFlight
 from rqbatcher.workers.job_worker.leases import fenced, release_on
 from rqbatcher.workers.job_worker.stream_writer import StreamWriter
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlight]) -> list[InFlight]:
-    """Record each ended job's last stream events, its end (`rqbatcher.jobs.life.record_end`) and the release of its
+    """Record each ended job's last stream events, its end (`rqbatcher.jobs.ends.record_end`) and the release of its
     lease in one transaction; return the jobs it recorded (the others' leases are gone).
 
     A reader that sees the job ended finds its last event in the stream. If Redis is unreachable, this raises:
@@ -42,9 +43,9 @@ def record_ends(worker: BaseJobWorker, streams: StreamWriter, ended: list[InFlig
             if holder == f.id:
                 streams.write_with(pipe, f.id)
                 end = f.end
-                record_end(pipe, f.job, f.queue, end.status, request=f.request, result=end.result,
-                           reason=end.reason, worker=worker, execution=f.execution, stream_event=False)
-                charge_end_on(pipe, f.queue.name, f.tenant, end.result)  # the tenant's fair-share counter
+                record_end(pipe, f.job, f.queue, end.status, request=f.request, record_outcome=record_outcome_on,
+                           result=end.result, reason=end.reason, worker=worker, execution=f.execution,
+                           charged_tenant=f.tenant, stream_event=False)
                 release_on(pipe, f.job.id, f.id, f.queue.name)
                 recorded.append(f)
 

@@ -29,8 +29,10 @@ from typing import Protocol
 from redis import Redis
 from redis.exceptions import WatchError
 
+from rqbatcher.batches.lines import record_outcome_on
 from rqbatcher.jobs import durability, keys
-from rqbatcher.jobs.life import TERMINAL_STATUSES, readable_request, record_end
+from rqbatcher.jobs.ends import TERMINAL_STATUSES, record_end
+from rqbatcher.jobs.life import readable_request
 from rqbatcher.jobs.redis_retry import REDIS_ERRORS
 from rqbatcher.jobs.redis_text import as_text
 from rqbatcher.jobs.rq_adapter import BaseJobWorker, Execution, Job, NoSuchJobError, Queue
@@ -240,15 +242,15 @@ class LeaseKeeper:
                 pipe.execute()
                 return False
             if cancelled:
-                record_end(pipe, job, queue, "stopped", request=readable_request(job), reason=CANCELLED_WHILE_LOST,
-                           worker=worker, execution=execution)
+                record_end(pipe, job, queue, "stopped", request=readable_request(job), record_outcome=record_outcome_on,
+                           reason=CANCELLED_WHILE_LOST, worker=worker, execution=execution)
                 outcome = "ended it as cancelled"
             elif attempts >= MAX_ATTEMPTS:
                 reason = (f"the job was started {attempts} times, and each time its worker was lost (it crashed, or "
                           "could not reach Redis for longer than its lease); it is not started again, in case it is "
                           "what brings workers down")
-                record_end(pipe, job, queue, "failed", request=readable_request(job), reason=reason, worker=worker,
-                           execution=execution)
+                record_end(pipe, job, queue, "failed", request=readable_request(job), record_outcome=record_outcome_on,
+                           reason=reason, worker=worker, execution=execution)
                 outcome = "failed it as a poison job"
             else:
                 worker.requeue_on(pipe, job, queue, execution)

@@ -82,7 +82,11 @@ class StatsPublisher:
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
             prefix_cache_hit_rate=round(engine.prefix_cache.hit_rate, 4),
             in_flight_by_class=in_flight_by_class(worker.jobs.snapshot()),
-            step_time_target_s=engine.step_time_target_s, step_s=round(engine.recent_step_s, 4),
+            step_time_target_s=round(engine.step_time_target_s, 4), step_s=round(engine.recent_step_s, 4),
+            step_target_infeasible=int(bool(engine.last_step and engine.last_step.target_infeasible)),
+            urgent_prompt_tokens=engine.last_step.urgent_prompt_tokens if engine.last_step else 0,
+            batch_prompt_tokens=engine.last_step.batch_prompt_tokens if engine.last_step else 0,
+            prefix_blocks_awaited=engine.prefix_blocks_awaited,
             vocab_size=engine.vocab_size, tasks=engine.tasks, embedding_size=engine.embedding_size,
             matryoshka_dimensions=engine.matryoshka_dimensions)
 

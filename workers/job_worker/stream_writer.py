@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from redis import Redis
 
 from rqbatcher.jobs import keys
-from rqbatcher.jobs.life import EndStatus, terminal_event
+from rqbatcher.jobs.ends import EndStatus, terminal_event
 from rqbatcher.jobs.redis_text import as_text
 from rqbatcher.jobs.stream import STREAM_MAXLEN, ttl_arg
 from rqbatcher.schema import STREAM_FIELD, GenerationResult, StreamEvent, TokenLogprob, Usage
@@ -184,7 +184,7 @@ class StreamWriter:
 
     def end(self, execution_id: str, status: EndStatus, result: GenerationResult | None, reason: str | None,
             ttl: int | None) -> None:
-        """The execution's terminal event (`rqbatcher.jobs.life.terminal_event`), and the stream's TTL from then on."""
+        """The execution's terminal event (`rqbatcher.jobs.ends.terminal_event`), and the stream's TTL from then on."""
         attempt = self._attempts[execution_id]
         attempt.add(terminal_event(status, result, reason, execution_id=attempt.execution_id))
         attempt.ttl = ttl_arg(ttl)

@@ -14,9 +14,12 @@ Preemption for fairness, between interactive tenants: when an interactive reques
 waits and no slot is free, one interactive sequence of the most-served tenant (the one holding the most slots,
 more than one and above its fair share of them) gives way. The engine counts service by slots held, where the
 worker's pick counts tokens (VTC): the pick chose the waiting request because its tenant was the least served.
-Bounded so that it never churns: a sequence is preempted for fairness at most once per FAIRNESS_INTERVAL_STEPS
-steps, never within NEAR_END_TOKENS of its end, and priority work is never preempted by interactive work. Among
-waiting sequences of equal urgency, the one whose tenant holds the fewest slots is admitted first.
+Bounded so that it never churns: a sequence is preempted for fairness at most once per FAIRNESS_INTERVAL_S
+(seconds of the scheduler's clock, so the bound means the same on a slow CPU and a fast GPU), never within
+NEAR_END_TOKENS of its end, and priority work is never preempted by interactive work. The bound is per victim, not
+per tenant served: each request of a slotless tenant finds a victim among the most-served tenant's other sequences,
+however many of its requests came before, so it is admitted within one interval. Among waiting sequences of equal
+urgency, the one whose tenant holds the fewest slots is admitted first.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Iterable
 from rqbatcher.service_class import BATCH, INTERACTIVE, RANK
 
 BATCH_RANK = RANK[BATCH]
-FAIRNESS_INTERVAL_STEPS = 64  # steps between two fairness preemptions of one sequence, at least
+FAIRNESS_INTERVAL_S = 1.0  # seconds between two fairness preemptions of one sequence, at least
 NEAR_END_TOKENS = 8  # a sequence this close to its max_tokens finishes rather than gives way
 
 
@@ -80,7 +83,7 @@ def batch_deficit(running, waiting, floor: int) -> int:
     return max(0, floor - count_batch(running) - count_batch(waiting))
 
 
-def fairness_victim(tenant, running, step: int, max_num_seqs: int):
+def fairness_victim(tenant, running, now: float, max_num_seqs: int):
     """The running sequence to preempt so that an interactive request of `tenant`, which holds no slot, gets one:
     of the tenant holding the most interactive slots, above its fair share of them, the latest admitted that may
     give way (`may_give_way`). None if `tenant` holds a slot, or there is no such sequence."""
@@ -92,15 +95,15 @@ def fairness_victim(tenant, running, step: int, max_num_seqs: int):
         if slots <= max(1.0, share):  # one slot is never above a share: it would only change hands
             return None
         for seq in reversed(running):
-            if seq.tenant == most_served and seq.service_class == INTERACTIVE and may_give_way(seq, step):
+            if seq.tenant == most_served and seq.service_class == INTERACTIVE and may_give_way(seq, now):
                 return seq
     return None
 
 
-def may_give_way(seq, step: int) -> bool:
-    """Whether a sequence may be preempted for fairness at `step`: not preempted so within the interval, and not
+def may_give_way(seq, now: float) -> bool:
+    """Whether a sequence may be preempted for fairness at `now`: not preempted so within the interval, and not
     about to finish."""
-    recent = seq.fairness_preempted_at is not None and step - seq.fairness_preempted_at < FAIRNESS_INTERVAL_STEPS
+    recent = seq.fairness_preempted_at is not None and now - seq.fairness_preempted_at < FAIRNESS_INTERVAL_S
     return not recent and seq.sampling.max_tokens - seq.num_output_tokens > NEAR_END_TOKENS
 
 
@@ -108,7 +111,7 @@ class _NewTenant:
     """A tenant no sequence has: what `fair_room` asks `fairness_victim` about."""
 
 
-def fair_room(running, waiting, step: int, max_num_seqs: int) -> int:
+def fair_room(running, waiting, now: float, max_num_seqs: int) -> int:
     """How many interactive requests of a tenant holding no slot the engine could take beyond its free slots (0 or
     1), each to preempt one sequence of the most-served tenant. 0 while one such request already waits."""
     if len(running) + len(waiting) < max_num_seqs:
@@ -116,4 +119,4 @@ def fair_room(running, waiting, step: int, max_num_seqs: int) -> int:
     holders = {s.tenant for s in running}
     if any(s.service_class == INTERACTIVE and s.tenant not in holders for s in waiting):
         return 0
-    return int(fairness_victim(_NewTenant(), running, step, max_num_seqs) is not None)
+    return int(fairness_victim(_NewTenant(), running, now, max_num_seqs) is not None)

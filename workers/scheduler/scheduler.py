@@ -8,16 +8,17 @@ sequence's state (`rqbatcher.workers.scheduler.sequence`) is made here.
 Continuous policy, every step:
   0. a waiting sequence of a more urgent class that no slot or KV block would admit preempts the least
      urgent running one (workers/scheduler/preemption.py: bounded so that batch work keeps its minimum share),
-     and an interactive one of a tenant holding no slot preempts one of the most-served tenant's (fairness);
+     and an interactive one of a tenant holding no slot preempts one of the most-served tenant's (fairness,
+     each sequence at most once per FAIRNESS_INTERVAL_S, so every such request is admitted within it);
   1. running decodes take one token each, then running prefills take their next prompt chunk (those of a
      less urgent class than a waiting sequence only after the waiting are admitted);
   2. waiting sequences are admitted most urgent first (FIFO among equals) while slots, the token budget and
      KV blocks allow, a long prompt with only the chunk that fits (chunked prefill);
   3. when KV blocks run out, the least urgent (latest-admitted among equals) running sequence is preempted
      by recompute: its blocks are freed and it goes back to the front of the queue.
-While urgent work is about, prompt chunks are sized to the step-time target (workers/scheduler/step_budget.py,
-from the step costs measured so far: `record_step`). The static policy is the baseline: it admits only into an
-empty batch and prefills whole prompts.
+While urgent work is about, prompt chunks are sized by workers/scheduler/step_budget.py from the step costs
+measured so far (`record_step`): urgent chunks near the engine's efficient size, batch chunks to the step-time
+target. The static policy is the baseline: it admits only into an empty batch and prefills whole prompts.
 
 Prefix caching (`rqbatcher.workers.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its
 tokens, counted as computed, and always computes at least its last token (it needs its logits). Embedding inputs
@@ -26,8 +27,9 @@ Admission and preemption count only the blocks a sequence newly needs. Full bloc
 cache when they are *scheduled*, so a sequence admitted later in the same step starts from blocks that
 an earlier one fills in that step: the model writes every new key and value of a layer before any
 sequence attends in that layer, so they are there when read. Prompts that arrive together are admitted
-together in FIFO order; since a sequence is admitted only while budget remains, every one before it in
-the step has its whole prompt scheduled, so a prefix they share is computed once, by the first.
+together in FIFO order. A waiting sequence whose next shareable block a running prefill has still to fill waits
+for it (workers/scheduler/prefix_in_flight.py), whatever the chunk sizes and arrival order, and that prefill runs at
+the waiter's urgency meanwhile: a prefix they share is computed once, by the first.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from rqbatcher.config import EngineConfig
 from rqbatcher.service_class import INTERACTIVE
 from rqbatcher.workers.scheduler import preemption
 from rqbatcher.workers.scheduler.blocks import BlockAllocator, PrefixCacheStats, blocks_needed, chain_block_hashes
+from rqbatcher.workers.scheduler.prefix_in_flight import PrefixesInFlight
 from rqbatcher.workers.scheduler.sequence import Sequence, SequenceStatus
 from rqbatcher.workers.scheduler.step_budget import StepBudget
 from rqbatcher.workers.scheduler.step_cost import StepCostModel
@@ -85,8 +88,10 @@ class Scheduler:
         self.batch_floor = preemption.batch_floor(config.min_batch_share, config.max_num_seqs)
         self.urgency_preemptions: dict[str, int] = {}  # by the preempted sequence's class
         self.fairness_preemptions = 0
+        self.prefix_blocks_awaited = 0  # since the start: cached blocks that sequences waited for rather than computed
+        self.now = 0.0  # the clock at the latest schedule() (fairness measures its interval on it)
         self.step_cost = StepCostModel()
-        self.budget = StepBudget(config.step_time_target, self.step_cost)
+        self.budget = StepBudget(0.0 if config.policy == "static" else config.step_time_target, self.step_cost)
         self.steps = 0  # schedule() calls that planned work
 
     def add(self, seq: Sequence) -> None:
@@ -112,7 +117,7 @@ class Scheduler:
         each to preempt one sequence of the most-served tenant."""
         if self.config.policy == "static":
             return 0
-        return preemption.fair_room(self.running, self.waiting, self.steps, self.config.max_num_seqs)
+        return preemption.fair_room(self.running, self.waiting, self.now, self.config.max_num_seqs)
 
     @property
     def batch_deficit(self) -> int:
@@ -171,30 +176,41 @@ class Scheduler:
         self.step_cost.observe(plan.total_tokens - decode_rows, decode_rows, seconds)
 
     def schedule(self, now: float | None = None) -> StepPlan:
+        self.now = time.monotonic() if now is None else now
         static = self.config.policy == "static"
         limit = float("inf") if static else self.config.max_num_batched_tokens
         plan = StepPlan()
         admit = not static or not self.running
+        in_flight = PrefixesInFlight(self.allocator.block_size)
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and not seq.embed and self.allocator.prefix_caching:
+                in_flight.add(seq)
+        awaiting = {s: holder for s in self.waiting if in_flight and (holder := self._awaited_holder(s, in_flight))}
         if not static:
-            self._preempt_for_urgency(plan)
+            self._preempt_for_urgency(plan, awaiting)
         preempted_for_urgency = len(plan.preempted)
 
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        if not static:
-            urgent = any(s.urgency[0] < preemption.BATCH_RANK for s in (*self.running, *self.waiting))
-            self.budget.begin(time.monotonic() if now is None else now, urgent, len(decodes))
+        urgent = any(s.urgency[0] < preemption.BATCH_RANK for s in (*self.running, *self.waiting))
+        self.budget.begin(self.now, urgent, len(decodes))
+        joined = {holder for s, holder in awaiting.items() if s.urgency[0] < preemption.BATCH_RANK}
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        most_urgent = min((s.urgency[0] for s in self.waiting), default=None)
-        later = [s for s in prefills if most_urgent is not None and s.urgency[0] > most_urgent]
-        self._schedule_running(decodes + [s for s in prefills if s not in later], plan, limit)
+        candidates = [s for s in self.waiting if s not in awaiting]
+        most_urgent = min((s.urgency[0] for s in candidates), default=None)
+        held_up = set(awaiting.values())  # a prefill others wait for is never put off
+        later = [s for s in prefills if most_urgent is not None and s.urgency[0] > most_urgent and s not in held_up]
+        self._schedule_running(decodes + [s for s in prefills if s not in later], plan, limit, joined)
         urgent_admitted = False  # whether this step starts a priority or interactive sequence
 
-        while admit and len(plan.preempted) == preempted_for_urgency and self.waiting:
+        while admit and len(plan.preempted) == preempted_for_urgency and candidates:
             budget = limit - plan.total_tokens
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = preemption.next_waiting(self.waiting, self.running, self.batch_floor,
+            seq = preemption.next_waiting(candidates, self.running, self.batch_floor,
                                           self.config.max_num_seqs - len(self.running))
+            candidates.remove(seq)
+            if in_flight and self._awaited_holder(seq, in_flight) is not None:
+                continue  # a sequence admitted earlier in this step is prefilling its next block
             urgent = seq.urgency[0] < preemption.BATCH_RANK
             if urgent_admitted and not urgent:
                 break  # a step that starts more urgent work carries no new prompt of less urgent work: it is short
@@ -207,14 +223,17 @@ class Scheduler:
             self._cache_full_blocks(seq, n)
             if n > 1:
                 self.budget.spend(n, urgent)
+            if seq.num_computed_tokens + n < seq.num_tokens and not seq.embed and self.allocator.prefix_caching:
+                in_flight.add(seq)
             urgent_admitted = urgent_admitted or urgent
         if not urgent_admitted:
-            self._schedule_running(later, plan, limit)  # less urgent prefills take what budget the waiting left
+            self._schedule_running(later, plan, limit, joined)  # less urgent prefills take what the waiting left
         if plan:
             self.steps += 1
         return plan
 
-    def _schedule_running(self, seqs: list[Sequence], plan: StepPlan, limit: float) -> None:
+    def _schedule_running(self, seqs: list[Sequence], plan: StepPlan, limit: float, joined: set[Sequence]) -> None:
+        """Schedule running sequences in order; a prefill that urgent waiters await (`joined`) runs as urgent."""
         for seq in seqs:
             budget = limit - plan.total_tokens
             if budget <= 0:
@@ -222,7 +241,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = int(min(seq.num_uncomputed_tokens, budget))
-            urgent = seq.urgency[0] < preemption.BATCH_RANK
+            urgent = seq.urgency[0] < preemption.BATCH_RANK or seq in joined
             if n > 1:  # prompt work (a recompute's too) is sized to the step-time target
                 n = int(min(n, self.budget.allowance(urgent)))
                 if n <= 0:
@@ -240,17 +259,18 @@ class Scheduler:
         n = int(min(seq.num_tokens - computed, budget))
         return shared, n, blocks_needed(computed + n, self.allocator.block_size) - len(shared)
 
-    def _preempt_for_urgency(self, plan: StepPlan) -> None:
+    def _preempt_for_urgency(self, plan: StepPlan, awaiting: dict[Sequence, Sequence]) -> None:
         """Before anything is scheduled: preempt less urgent running sequences for the more urgent waiting ones
         that no slot or KV block would admit this step, most urgent first, and a sequence of the most-served
-        tenant for an interactive one of a tenant holding no slot, within `scheduler.preemption`'s bounds."""
+        tenant for an interactive one of a tenant holding no slot, within `scheduler.preemption`'s bounds. Those
+        `awaiting` a prefix in flight are not admitted this step: they preempt nobody."""
         if not self.running or not self.waiting:
             return
         slots = self.config.max_num_seqs - len(self.running)
         growth = {s: self.allocator.extra_blocks(s.block_table, s.num_tokens) for s in self.running
                   if s.num_uncomputed_tokens == 1}  # the blocks the running decodes take first
         free_blocks = self.allocator.num_free - sum(growth.values())
-        for seq in sorted(self.waiting, key=lambda s: s.urgency):
+        for seq in sorted((s for s in self.waiting if s not in awaiting), key=lambda s: s.urgency):
             shared, _, new = self._first_chunk(seq, self.config.max_num_batched_tokens)
             needed = new + sum(1 for b in shared if self.allocator.ref_count(b) == 0)
             while slots <= 0 or free_blocks < needed:
@@ -259,10 +279,10 @@ class Scheduler:
                     self.urgency_preemptions[victim.service_class] = (
                         self.urgency_preemptions.get(victim.service_class, 0) + 1)
                 elif seq.service_class == INTERACTIVE:
-                    victim = preemption.fairness_victim(seq.tenant, self.running, self.steps,
+                    victim = preemption.fairness_victim(seq.tenant, self.running, self.now,
                                                         self.config.max_num_seqs)
                     if victim is not None:
-                        victim.fairness_preempted_at = self.steps
+                        victim.fairness_preempted_at = self.now
                         self.fairness_preemptions += 1
                 if victim is None:
                     break
@@ -290,13 +310,28 @@ class Scheduler:
         self.running.append(seq)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks `seq` can start from: at most all but its last token, which must be computed. An
-        embedding input starts from none: its pooling needs every token's hidden state."""
+        """The cached blocks `seq` can start from."""
+        return self.allocator.cached_prefix(self._shareable_hashes(seq))
+
+    def _shareable_hashes(self, seq: Sequence) -> list[bytes]:
+        """The hashes of the blocks `seq` could start from: at most all but its last token, which must be computed.
+        An embedding input starts from none: its pooling needs every token's hidden state."""
         if not self.allocator.prefix_caching or seq.embed:
             return []
         limit = (seq.num_tokens - 1) // self.allocator.block_size
         chain_block_hashes(seq.token_ids, self.allocator.block_size, seq.block_hashes, limit)
-        return self.allocator.cached_prefix(seq.block_hashes[:limit])
+        return seq.block_hashes[:limit]
+
+    def _awaited_holder(self, seq: Sequence, in_flight: PrefixesInFlight) -> Sequence | None:
+        """The running sequence prefilling the next block `seq` could start from (then `seq` waits for it), or
+        None. The blocks it waits for are counted once, the first time."""
+        shareable = self._shareable_hashes(seq)
+        cached = len(self.allocator.cached_prefix(shareable))
+        holder = in_flight.holder_of(shareable, cached)
+        if holder is not None and not seq.awaited_prefix:
+            seq.awaited_prefix = True
+            self.prefix_blocks_awaited += in_flight.blocks_awaited(shareable, cached, holder)
+        return holder
 
     def _cache_full_blocks(self, seq: Sequence, n: int) -> None:
         """Name in the cache the blocks of `seq` that its `n` tokens of this step fill (an embedding input's

@@ -39,7 +39,8 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
-    fairness_preempted_at: int | None = None  # the scheduler's step of its latest preemption for fairness
+    fairness_preempted_at: float | None = None  # the scheduler's clock at its latest preemption for fairness
+    awaited_prefix: bool = False  # it has waited for a running prefill to fill blocks it shares
     service_class: str = INTERACTIVE  # batcher/service_class.py
     urgency: tuple[int, int] = (RANK[INTERACTIVE], 0)  # (class rank, priority level), lower first
     tenant: str | None = None

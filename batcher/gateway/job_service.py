@@ -1,0 +1,146 @@
+"""The gateway's job service: what every route does with a job, so that the routes only speak HTTP.
+
+A request's model is checked against the live workers of the gateway's queue (404 `model_not_found` unless one
+serves it), then its job is enqueued; its end is read from the job's Redis stream, whose `done` event carries the
+whole result, so a request that waits for its answer reads Redis once (the stored result is read only when the
+stream was lost). A client that goes away before its job ends cancels the job.
+
+The live workers are read (SMEMBERS plus an HGETALL each) at most once every LIVE_WORKERS_TTL_S per process: a
+worker that starts or dies is noticed that much later, and a busy gateway reads them once, not once a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import anyio
+from redis.asyncio import Redis as AsyncRedis
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from rqbatcher.client import Client, JobFailed
+from rqbatcher.gateway import job_streams
+from rqbatcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError
+from rqbatcher.jobs.admin import list_workers
+from rqbatcher.jobs.worker_stats import WorkerStats
+from rqbatcher.logit_bias import logit_bias_problem
+from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent
+
+log = logging.getLogger(__name__)
+
+RESULT_WAIT_S = 30.0  # the result is recorded with the stream's end; this only bounds a Redis hiccup
+LIVE_WORKERS_TTL_S = 1.0  # how stale the gateway's view of the live workers may be
+CANCELLED_MESSAGE = "The request was cancelled before it finished."
+FAILED_CODE = "generation_failed"  # a failed job's answer (its reason is the worker's)
+
+
+class JobService:
+    """Submit, follow, wait for and cancel the jobs of one gateway process, on its queue."""
+
+    def __init__(self, client: Client, aconnection: AsyncRedis) -> None:
+        self.client = client
+        self.aconnection = aconnection
+        self._live: list[WorkerStats] = []
+        self._live_read_at = -LIVE_WORKERS_TTL_S
+        self._live_lock = threading.Lock()
+
+    # ----- the live workers and their models (sync: run in a thread) -----
+    def live_workers(self) -> list[WorkerStats]:
+        """The live workers of the queue, as read at most LIVE_WORKERS_TTL_S ago."""
+        with self._live_lock:
+            if time.monotonic() - self._live_read_at >= LIVE_WORKERS_TTL_S:
+                queue = self.client.queue
+                self._live = [w for w in list_workers(self.client.connection) if queue in w.queues.split(",")]
+                self._live_read_at = time.monotonic()
+            return self._live
+
+    def served_models(self) -> list[str]:
+        """The models that live workers of the queue serve."""
+        return sorted({w.model for w in self.live_workers()})
+
+    def served_model(self, request: GenerationRequest) -> str:
+        """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it, and 400
+        if its logit_bias names a token outside that model's vocabulary (as its workers publish it)."""
+        return served_model_among(self.live_workers(), request)
+
+    def submit(self, request: GenerationRequest) -> tuple[str, str]:
+        """(the model it runs on, the job id): one thread hop for both, since each hop costs time to first token."""
+        return self.served_model(request), self.client.submit(request)
+
+    # ----- following a job (async) -----
+    def events(self, job_id: str):
+        """The job's stream events, up to its end (batcher/gateway/job_streams.py)."""
+        return job_streams.events(self.aconnection, self.client, job_id)
+
+    async def cancel(self, job_id: str, client: Client | None = None) -> None:
+        """Cancel a job whose client went away; shielded, since that is when the caller is being cancelled."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await run_in_threadpool((client or self.client).cancel, job_id)
+            except Exception:  # noqa: BLE001  (the job ended or expired meanwhile: nothing to stop)
+                log.debug("job %s: cancel after the client left did nothing", job_id, exc_info=True)
+
+    async def wait_for_end(self, request: Request, job_id: str, client: Client | None = None) -> StreamEvent | None:
+        """The job's terminal event, or None if the HTTP client left first (the job is then cancelled)."""
+        end, failure = None, None
+        async with anyio.create_task_group() as group:
+            async def watch_disconnect() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch_disconnect)
+            try:
+                async for event in self.events(job_id):
+                    end = event if event.terminal else end
+            except Exception as exc:  # noqa: BLE001  (raised below, outside the group, which would wrap it)
+                failure = exc
+            finally:
+                if end is None:
+                    await self.cancel(job_id, client)
+            group.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return end
+
+    async def result_when_ended(self, request: Request, job_id: str, client: Client | None = None) -> GenerationResult:
+        """The job's result once it ends, from its `done` event; ApiError when the HTTP client left, or the job failed
+        or was cancelled."""
+        end = await self.wait_for_end(request, job_id, client)
+        if end is None:  # the client left; nobody reads this
+            raise ApiError(499, CANCELLED_MESSAGE, code="client_closed_request")
+        if end.type == "error":
+            raise ApiError(400, end.error or "the request failed", code=FAILED_CODE)
+        if end.result is not None and end.finish_reason != "cancelled":
+            return end.result
+        return await self.stored_result(job_id, client)
+
+    async def stored_result(self, job_id: str, client: Client | None = None) -> GenerationResult:
+        """The job's recorded result, for an end whose event does not carry it (a lost or inferred stream end)."""
+        try:
+            return await run_in_threadpool((client or self.client).result, job_id, RESULT_WAIT_S)
+        except JobFailed as exc:
+            if exc.status == "failed":
+                raise ApiError(400, exc.reason, code=FAILED_CODE) from None
+            raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
+
+
+def served_model_among(live: list[WorkerStats], request: GenerationRequest) -> str:
+    """`JobService.served_model`, among the live workers of the queue already read."""
+    served = sorted({w.model for w in live})
+    if request.model is None and served:
+        model = served[0] if len(served) == 1 else ""
+    elif request.model in served:
+        model = request.model
+    else:
+        offered = f"the models served now: {', '.join(served)}" if served else "no worker is serving any model now"
+        name = "any model" if request.model is None else f"the model `{request.model}`"
+        raise ApiError(404, f"No live worker serves {name} ({offered}).", param="model", code="model_not_found")
+    if request.sampling.logit_bias:
+        sizes = [w.vocab_size for w in live if w.model == model or not model]
+        problem = next(filter(None, (logit_bias_problem(request.sampling, size) for size in sizes)), None)
+        if problem is not None:
+            raise ApiError(400, problem, param="logit_bias")
+    return model

@@ -1,0 +1,200 @@
+"""llama.cpp's server as a peer in `python -m benchmarks.compare` (`llama-server`): what a CPU user would run instead.
+
+Built once into the cache folder: `pip download` fetches the `llama-cpp-python` source package, which vendors
+llama.cpp; cmake builds its `llama-server`; its `convert_hf_to_gguf.py` converts the run's checkpoint to a GGUF
+in the run's dtype. The bench then starts the server with `--parallel` = the slots, the same threads, and the
+token budget as its batch size, and drives it over HTTP with each request's token ids, `n_predict`,
+`ignore_eos` and greedy sampling, at the workload's arrival times; tokens are stamped as they stream back.
+Without cmake (or a local checkpoint) the system is skipped, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from benchmarks.private_redis import free_port
+from rqbatcher.config import EngineConfig
+from rqbatcher.workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
+from rqbatcher.workers.bench.workload import WorkloadRequest
+from rqbatcher.workers.engine.engine import WARMUP_REQUEST
+from rqbatcher.workers.model.loading import cache_dir
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source package whose vendored llama.cpp is built
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+STARTUP_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 3600
+CONTEXT_ROUNDING = 256  # each slot's context: the longest request, rounded up to this
+
+
+class SystemUnavailable(RuntimeError):
+    """A system that cannot run on this machine; the bench skips it and says why."""
+
+
+def _root() -> Path:
+    return cache_dir() / "llama-server"
+
+
+def _source() -> Path:
+    return _root() / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+
+
+def _fetch_source() -> Path:
+    """The vendored llama.cpp of the `llama-cpp-python` sdist, downloaded and unpacked once."""
+    if (_source() / "CMakeLists.txt").exists():
+        return _source()
+    root = _root()
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(root)], check=True)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(root, filter="data")
+    return _source()
+
+
+def server_binary(jobs: int = 1) -> Path:
+    """`llama-server`, built once with cmake (a few CPU minutes per job... tens on a small machine)."""
+    build = _root() / f"build-{LLAMA_CPP_PYTHON_VERSION}"
+    binary = build / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    if shutil.which("cmake") is None:
+        raise SystemUnavailable("llama-server: cmake is missing, so llama.cpp cannot be built (install cmake and a "
+                                "C++ compiler to compare with it)")
+    source = _fetch_source()
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF"],
+                   check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True)
+    return binary
+
+
+def gguf_checkpoint(model_dir: Path, dtype: str) -> Path:
+    """The checkpoint as a GGUF in `dtype`, converted once by llama.cpp's own script."""
+    if not (model_dir / "config.json").exists():
+        raise SystemUnavailable(f"llama-server: needs a local checkpoint folder to convert, not {model_dir}")
+    target = _root() / f"{model_dir.name}-{GGUF_TYPES[dtype]}.gguf"
+    if not target.exists():
+        staging = target.with_suffix(f".tmp-{os.getpid()}")
+        done = subprocess.run([sys.executable, str(_fetch_source() / "convert_hf_to_gguf.py"), str(model_dir),
+                               "--outfile", str(staging), "--outtype", GGUF_TYPES[dtype]],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {model_dir}:\n{done.stderr[-2000:]}")
+        staging.rename(target)
+    return target
+
+
+def _post(port: int, body: dict, on_tokens) -> None:
+    """POST a streamed /completion; `on_tokens(ids)` for each chunk of tokens as it arrives."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"llama-server answered {response.status}: {response.read()[:500]!r}")
+        for line in response:
+            if line.startswith(b"data: "):
+                chunk = json.loads(line[6:])
+                if chunk.get("tokens"):
+                    on_tokens(chunk["tokens"])
+                if chunk.get("stop"):
+                    return
+    finally:
+        conn.close()
+
+
+def _request(prompt: list[int], max_tokens: int, prefix_caching: bool) -> dict:
+    return {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+            "stream": True, "return_tokens": True, "cache_prompt": prefix_caching}
+
+
+def _wait_healthy(server: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log = _root() / "llama-server.log"
+            raise RuntimeError(f"llama-server exited with {server.returncode} at start-up ({log} says why)")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"llama-server did not become healthy within {STARTUP_TIMEOUT_S} s")
+
+
+def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir: Path, config: EngineConfig,
+                     threads: int, name: str) -> SystemRun:
+    binary, gguf = server_binary(), gguf_checkpoint(model_dir, config.dtype)
+    longest = max(w.prompt_len + w.max_tokens for w in workload)
+    per_slot = -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
+    port = free_port()
+    log = open(_root() / "llama-server.log", "w")  # noqa: SIM115 (closed with the server)
+    server = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                               "--parallel", str(config.max_num_seqs), "--threads", str(threads),
+                               "--threads-batch", str(threads), "--ctx-size", str(per_slot * config.max_num_seqs),
+                               "--batch-size", str(config.max_num_batched_tokens),
+                               "--ubatch-size", str(config.max_num_batched_tokens), "--no-webui",
+                               *([] if config.prefix_caching else ["--cache-ram", "0"])],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(server, port)
+        _post(port, _request(WARMUP_REQUEST.prompt_token_ids, WARMUP_REQUEST.sampling.max_tokens, False),
+              lambda ids: None)
+        return _drive(workload, vocab_size, port, config, name, server.pid)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def _drive(workload: list[WorkloadRequest], vocab_size: int, port: int, config: EngineConfig, name: str,
+           pid: int) -> SystemRun:
+    """Submit each request at its arrival time, each on its own connection, and stamp its tokens."""
+    from benchmarks.peers import _steps_from_stamps
+
+    run = SystemRun(name, slots=config.max_num_seqs, token_times={w.id: [] for w in workload},
+                    tokens={w.id: [] for w in workload})
+    lifespans: dict[str, tuple[float, float]] = {}
+    lock = threading.Lock()
+
+    def one(item: WorkloadRequest, start: float) -> None:
+        wait_until(start, item.arrival_s)
+        submitted = time.perf_counter() - start
+
+        def on_tokens(ids: list[int]) -> None:
+            t = time.perf_counter() - start
+            with lock:
+                run.tokens[item.id].extend(ids)
+                run.token_times[item.id].extend([t] * len(ids))
+
+        _post(port, _request(item.prompt_token_ids(vocab_size), item.max_tokens, config.prefix_caching), on_tokens)
+        lifespans[item.id] = (submitted, time.perf_counter() - start)
+
+    with PeakRss(pid) as rss, ThreadPoolExecutor(max_workers=len(workload)) as pool:
+        start = time.perf_counter()
+        for future in [pool.submit(one, item, start) for item in by_arrival(workload)]:
+            future.result()
+        run.wall_s = time.perf_counter() - start
+    run.peak_rss_bytes = rss.peak
+    _steps_from_stamps(run, lifespans)
+    run.notes.append(f"{name}: llama.cpp {LLAMA_CPP_PYTHON_VERSION} (llama-cpp-python's), GGUF "
+                     f"{GGUF_TYPES[config.dtype]}, over HTTP; steps and occupancy are rebuilt from token stamps (an "
+                     "approximation), and its RSS is the server process's")
+    return run
