@@ -22,6 +22,7 @@ from rqbatcher.gateway import job_service
 from rqbatcher.gateway import job_streams as gateway_jobs
 from rqbatcher.gateway.app import ROUTES, GatewayConfig, create_app
 from rqbatcher.gateway.auth import ApiKeys, UnsafeBind, check_bind, tenant_of
+from rqbatcher.gateway.body import MAX_JSON_DEPTH, nesting_depth
 from rqbatcher.gateway.job_streams import AttemptDiverged, TextRelay
 from rqbatcher.jobs import keys
 from rqbatcher.jobs.durability import NotReplicated
@@ -389,3 +390,19 @@ def test_a_timeout_finishes_as_length():
     result = GenerationResult(text="ab", token_ids=[1, 2], finish_reason="timeout",
                               usage=Usage(prompt_tokens=1, completion_tokens=2))
     assert response_body(result, "/v1/chat/completions", request_id="j")["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+                                  "/v1/batches"])
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 1020])  # past our bound; past Python's recursion limit
+def test_a_body_nested_too_deep_is_a_400_and_enqueues_nothing(gateway, fake_redis, path, depth):
+    before = sorted(fake_redis.keys("rq:queue:*"))
+    body = '{"m":' + "[" * depth + "]" * depth + "}"
+    assert len(body) <= MAX_REQUEST_BYTES  # a 400 for its depth, not a 413 for its size
+    error = error_of(gateway.post(path, headers={**A, "Content-Type": "application/json"}, content=body), 400)
+    assert f"deeper than {MAX_JSON_DEPTH} levels" in error["message"]
+    assert sorted(fake_redis.keys("rq:queue:*")) == before
+
+
+def test_nesting_depth_counts_lists_and_objects():
+    assert nesting_depth({"a": [{"b": []}], "c": 1}) == 4 and nesting_depth({}) == 1

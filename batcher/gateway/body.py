@@ -15,6 +15,9 @@ from starlette.requests import ClientDisconnect, Request
 from rqbatcher.gateway.error_objects import ApiError, too_large
 
 DRAIN_LIMIT_BYTES = 64 * 2**20
+# OpenAI's bodies nest a few levels, a tool's or response format's JSON schema a few dozen: deeper is refused before
+# anything (a validator, a serializer) walks it recursively
+MAX_JSON_DEPTH = 128
 
 
 class BodyReader:
@@ -62,7 +65,7 @@ class BodyReader:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    """The request's JSON object; 413 past `limit`, 400 if it is not a JSON object."""
+    """The request's JSON object; 413 past `limit`, 400 if it is not a JSON object or nests past MAX_JSON_DEPTH."""
     reader = BodyReader(request, limit)
     body = bytearray()
     async for chunk in reader.chunks():
@@ -71,6 +74,22 @@ async def read_json(request: Request, limit: int) -> dict:
         value = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"The body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, f"The body nests deeper than {MAX_JSON_DEPTH} levels.") from None
     if not isinstance(value, dict):
         raise ApiError(400, "The body must be a JSON object.")
+    if nesting_depth(value) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"The body nests deeper than {MAX_JSON_DEPTH} levels.")
     return value
+
+
+def nesting_depth(value) -> int:
+    """How deeply `value` nests lists and objects, walked without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
