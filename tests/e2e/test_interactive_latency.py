@@ -5,9 +5,6 @@ tenants) and the official `openai` SDK. The target (0.5 ms) is below any step's 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -16,11 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rqbatcher.workers.scheduler.step_budget import QUIET_S
+from tests.e2e.gateway_pool import serving
 from tests.e2e.test_urgency import completed, create_batch, sdk, wait_done
-from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.engine_helpers import random_prompts
 from tests.jobs_support import wait_for
-from tests.reliability.support import free_port
 
 pytestmark = pytest.mark.timeout(600)
 QUEUE = "lat"
@@ -36,31 +32,9 @@ PROMPT = random_prompts(1, seed=34, min_len=6, max_len=6)[0]
 @pytest.fixture(scope="module")
 def pool(e2e_redis, tiny_model_dir, tmp_path_factory):
     """One worker with a step-time target and a gateway: (base url, metrics url)."""
-    url, connection = e2e_redis
-    logs = tmp_path_factory.mktemp("lat")
-    port, metrics_port = free_port(), free_port()
-    env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
-    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
-                               "--queue", QUEUE], env=env, stdout=subprocess.DEVNULL,
-                              stderr=(logs / "gateway.log").open("w"))
-    name, worker = start_worker(url, tiny_model_dir("llama"), QUEUE, logs / "worker.log", SLOTS,
-                                "--served-model-name", MODEL, "--metrics-port", str(metrics_port),
-                                "--max-num-batched-tokens", str(BUDGET), "--step-time-target", str(TARGET_S))
-    try:
-        wait_ready(connection, name, worker)
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _listed(base), 60, "the gateway to list the worker's model")
-        yield base, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        stop(server)
-        stop(worker)
-
-
-def _listed(base: str) -> bool:
-    try:
-        return MODEL in [m.id for m in sdk(base, KEY_A).models.list()]
-    except Exception:  # noqa: BLE001  (not up yet)
-        return False
+    with serving(e2e_redis, tiny_model_dir("llama"), tmp_path_factory.mktemp("lat"), QUEUE, MODEL, (KEY_A, KEY_B),
+                 SLOTS, "--max-num-batched-tokens", str(BUDGET), "--step-time-target", str(TARGET_S)) as urls:
+        yield urls
 
 
 def metric(url: str, name: str, **labels) -> float:

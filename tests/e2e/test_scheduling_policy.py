@@ -5,21 +5,16 @@ SDK. Bounds are derived from times measured in the same run, so that a loaded 2-
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 
+from tests.e2e.gateway_pool import serving
 from tests.e2e.test_interactive_latency import metric
 from tests.e2e.test_urgency import sdk
-from tests.e2e.test_workers import start_worker, stop, wait_ready
 from tests.jobs_support import wait_for
-from tests.reliability.support import free_port
 from tests.tiny_models import VOCAB_SIZE
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,31 +34,11 @@ INFEASIBLE_TARGET_S = 0.0005
 TIGHT_BUDGET = 4 * BLOCK
 
 
-@contextmanager
-def serving(e2e_redis, model_dir, logs, queue: str, *worker_options: str):
-    """One worker with `worker_options` and a gateway with two tenants' keys on `queue`: (base url, metrics url)."""
-    url, connection = e2e_redis
-    port, metrics_port = free_port(), free_port()
-    env = {**os.environ, "BATCHER_API_KEYS": f"{KEY_A},{KEY_B}"}
-    server = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
-                               "--queue", queue], env=env, stdout=subprocess.DEVNULL,
-                              stderr=(logs / f"gateway-{queue}.log").open("w"))
-    name, worker = start_worker(url, model_dir, queue, logs / f"worker-{queue}.log", SLOTS,
-                                "--served-model-name", MODEL, "--metrics-port", str(metrics_port), *worker_options)
-    try:
-        wait_ready(connection, name, worker)
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _listed(base), 60, "the gateway to list the worker's model")
-        yield base, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        stop(server)
-        stop(worker)
-
-
 @pytest.fixture(scope="module")
 def pool(e2e_redis, tiny_model_dir, tmp_path_factory):
     """The worker at its default step policy (no option)."""
-    with serving(e2e_redis, tiny_model_dir("llama"), tmp_path_factory.mktemp("sched"), QUEUE) as urls:
+    with serving(e2e_redis, tiny_model_dir("llama"), tmp_path_factory.mktemp("sched"), QUEUE, MODEL,
+                 (KEY_A, KEY_B), SLOTS) as urls:
         yield urls
 
 
@@ -72,15 +47,9 @@ def tight_pool(e2e_redis, tiny_model_dir, tmp_path_factory):
     """A worker whose step-time target is below any step's cost (infeasible) and whose token budget is a few
     blocks: a document takes many steps to prefill, and its siblings arrive meanwhile."""
     with serving(e2e_redis, tiny_model_dir("llama"), tmp_path_factory.mktemp("sched-tight"), TIGHT_QUEUE,
+                 MODEL, (KEY_A, KEY_B), SLOTS,
                  "--step-time-target", str(INFEASIBLE_TARGET_S), "--max-num-batched-tokens", str(TIGHT_BUDGET)) as urls:
         yield urls
-
-
-def _listed(base: str) -> bool:
-    try:
-        return MODEL in [m.id for m in sdk(base, KEY_A).models.list()]
-    except Exception:  # noqa: BLE001  (not up yet)
-        return False
 
 
 def tokens(n: int, rng: random.Random) -> list[int]:
