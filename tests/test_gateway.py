@@ -28,7 +28,7 @@ from rqbatcher.jobs import keys
 from rqbatcher.jobs.durability import NotReplicated
 from rqbatcher.jobs.worker_stats import WorkerStats
 from rqbatcher.openai.batch_lines import response_body
-from rqbatcher.schema import GenerationResult, StreamEvent, Usage
+from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent, Usage
 from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.fake_engine import FakeEngine, expected_text
 from tests.jobs_support import fake_redis_fixture, keep_signal_handlers_fixture, wait_for  # noqa: F401
@@ -280,6 +280,20 @@ def test_the_live_workers_are_read_at_most_once_a_ttl(gateway, fake_redis, monke
         gateway.get("/v1/models", headers=A)
     assert len(reads) == before + 2
 
+
+
+def test_a_model_missing_from_the_cached_view_is_looked_up_again_before_the_404(gateway, fake_redis):
+    pretend_worker(fake_redis, model="other-model")
+    assert [m["id"] for m in gateway.get("/v1/models", headers=A).json()["data"]] == ["other-model"]
+    connection = fake_redis
+    stats = WorkerStats(name="new", host="h", pid=2, queues=keys.DEFAULT_QUEUE, model=MODEL, state="idle",
+                        in_flight=0, free_slots=1, kv_usage=0.0, tokens_per_s=0.0, last_heartbeat=0.0)
+    connection.hset(keys.worker_stats_key("new"), mapping=stats.to_dict())
+    connection.sadd(keys.WORKERS_SET, "new")  # started within the TTL of the gateway's view
+    jobs = gateway.app.state.jobs
+    assert jobs.served_model(GenerationRequest(prompt="hi", model=MODEL)) == MODEL
+    unknown = gateway.post("/v1/embeddings", headers=A, json={"model": "nobody-serves-this", "input": "a"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 def test_serve_help_names_every_endpoint():
     def shape(path: str) -> str:  # a path parameter's name is the help's own

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 from rqbatcher.gateway.body import read_json
 from rqbatcher.gateway.error_objects import ApiError
-from rqbatcher.gateway.job_service import FAILED_CODE, JobService, served_model_among
+from rqbatcher.gateway.job_service import FAILED_CODE, JobService
 from rqbatcher.jobs.worker_stats import WorkerStats
 from rqbatcher.openai.batch_lines import BodyError
 from rqbatcher.openai.embeddings_body import embeddings_object, encoding_format_of, parse_embeddings_body
@@ -49,8 +49,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
 
 def _enqueue(jobs: JobService, request: GenerationRequest) -> str:
     """The job id, once the live workers that may take the job can answer it (ApiError otherwise)."""
-    live = jobs.live_workers()
-    served_model_among(live, request)  # 404 model_not_found
+    live, _ = jobs.serving(request)  # 404 model_not_found
     takers = [w for w in live if request.model is None or w.model == request.model]
     if not all(_embeds(w) for w in takers):
         embedders = sorted({w.model for w in live if _embeds(w)})

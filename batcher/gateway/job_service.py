@@ -5,8 +5,9 @@ serves it), then its job is enqueued; its end is read from the job's Redis strea
 whole result, so a request that waits for its answer reads Redis once (the stored result is read only when the
 stream was lost). A client that goes away before its job ends cancels the job.
 
-The live workers are read (SMEMBERS plus an HGETALL each) at most once every LIVE_WORKERS_TTL_S per process: a
-worker that starts or dies is noticed that much later, and a busy gateway reads them once, not once a request.
+The live workers are read (SMEMBERS plus an HGETALL each) at most once every LIVE_WORKERS_TTL_S per process, so a
+busy gateway reads them once, not once a request. A model missing from that view is looked up again at once before
+the 404, so a worker that has just started serves its first request; one that died is noticed that much later.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ class JobService:
         self._live_lock = threading.Lock()
 
     # ----- the live workers and their models (sync: run in a thread) -----
-    def live_workers(self) -> list[WorkerStats]:
-        """The live workers of the queue, as read at most LIVE_WORKERS_TTL_S ago."""
+    def live_workers(self, *, fresh: bool = False) -> list[WorkerStats]:
+        """The live workers of the queue, as read at most LIVE_WORKERS_TTL_S ago (now, if `fresh`)."""
         with self._live_lock:
-            if time.monotonic() - self._live_read_at >= LIVE_WORKERS_TTL_S:
+            if fresh or time.monotonic() - self._live_read_at >= LIVE_WORKERS_TTL_S:
                 queue = self.client.queue
                 self._live = [w for w in list_workers(self.client.connection) if queue in w.queues.split(",")]
                 self._live_read_at = time.monotonic()
@@ -63,7 +64,19 @@ class JobService:
     def served_model(self, request: GenerationRequest) -> str:
         """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it, and 400
         if its logit_bias names a token outside that model's vocabulary (as its workers publish it)."""
-        return served_model_among(self.live_workers(), request)
+        return self.serving(request)[1]
+
+    def serving(self, request: GenerationRequest) -> tuple[list[WorkerStats], str]:
+        """The live workers and the model the request runs on (`served_model_among`); a model missing from the
+        cached view is looked up again before the 404."""
+        live = self.live_workers()
+        try:
+            return live, served_model_among(live, request)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        live = self.live_workers(fresh=True)
+        return live, served_model_among(live, request)
 
     def submit(self, request: GenerationRequest) -> tuple[str, str]:
         """(the model it runs on, the job id): one thread hop for both, since each hop costs time to first token."""
