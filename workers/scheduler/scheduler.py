@@ -17,7 +17,7 @@ Continuous policy, every step:
   3. when KV blocks run out, the least urgent (latest-admitted among equals) running sequence is preempted
      by recompute: its blocks are freed and it goes back to the front of the queue.
 While urgent work is about, prompt chunks are sized by workers/scheduler/step_budget.py from the step costs
-measured so far (`record_step`): urgent chunks near the engine's efficient size, batch chunks to the step-time
+measured so far (`record_step`): urgent chunks take the full token budget, batch chunks fit the step-time
 target. The static policy is the baseline: it admits only into an empty batch and prefills whole prompts.
 
 Prefix caching (`rqbatcher.workers.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its

@@ -1,10 +1,9 @@
 """Each step's prompt budget: from what waits and what decodes, and from measured step costs (step_cost.py).
 
 While priority or interactive work runs or waits in the engine, or did within QUIET_S:
-- Urgent prompt work is never starved. Each step may always give it the *efficient chunk*: the fewest tokens
-  whose prompt time is EFFICIENT_PROMPT_SHARE of its step (the rest being the step's fixed cost, base and decode
-  rows), so chunking grows a request's own time to first token by at most 1 / EFFICIENT_PROMPT_SHARE whatever the
-  target. With nothing decoding, chunking protects nobody: it takes the full budget.
+- Urgent prompt work is never throttled: it takes the step's full token budget, as with no target. Cutting it
+  would grow the request's own time to first token to shave other urgent requests' inter-token latency, and a
+  pool that serves only interactive work (the commonest) would lose throughput and prefix reuse for nothing.
 - The step-time target protects arrivals and decoders from batch prompt work only: batch chunks fill what is left
   of the target after the decodes and the urgent chunks, and keep BATCH_PROMPT_FLOOR tokens of any step that
   carries some, so batch prefill always progresses.
@@ -23,7 +22,6 @@ from rqbatcher.workers.scheduler.step_cost import StepCostModel
 
 QUIET_S = 10.0  # how long after the last urgent work the target still binds (a pause between requests)
 BATCH_PROMPT_FLOOR = 32  # tokens: two blocks of 16
-EFFICIENT_PROMPT_SHARE = 0.9  # of an urgent chunk's step spent on its prompt: its TTFT grows at most 1.11x
 TARGET_DECODE_MULTIPLE = 2.0  # the measured target, in decode-only steps: batch prefill may take as long as decodes
 
 
@@ -42,8 +40,6 @@ class StepBudget:
         self.urgent_tokens = self.batch_tokens = 0  # prompt tokens given to urgent and to batch work this step
         self._last_urgent: float | None = None
         self._left_s = math.inf
-        self._efficient_chunk = 0
-        self._decode_rows = 0
 
     def begin(self, now: float, urgent_present: bool, decode_rows: int) -> None:
         if urgent_present:
@@ -51,7 +47,6 @@ class StepBudget:
         recent = self._last_urgent is not None and now - self._last_urgent < QUIET_S
         self.binding = self.target_s != 0 and self.cost.ready and recent
         self.urgent_tokens = self.batch_tokens = 0
-        self._decode_rows = decode_rows
         self.infeasible = False
         if not self.binding:
             self._left_s = self.prompt_tokens = math.inf
@@ -63,18 +58,12 @@ class StepBudget:
         self.step_target_s = TARGET_DECODE_MULTIPLE * decode_only_s if measured else self.target_s
         self._left_s = self.step_target_s - decode_only_s
         self.prompt_tokens = max(BATCH_PROMPT_FLOOR, self.cost.prompt_tokens_within(self._left_s))
-        fixed_s = decode_only_s * EFFICIENT_PROMPT_SHARE / (1 - EFFICIENT_PROMPT_SHARE)
-        self._efficient_chunk = max(BATCH_PROMPT_FLOOR, self.cost.prompt_tokens_within(fixed_s))
 
     def allowance(self, urgent: bool) -> float:
-        """How many prompt tokens one chunk may take now (inf when nothing binds, or for urgent work while nothing
-        decodes)."""
-        if not self.binding or (urgent and not self._decode_rows):
+        """How many prompt tokens one chunk may take now: inf for urgent work, or when nothing binds."""
+        if urgent or not self.binding:
             return math.inf
-        fits = self.cost.prompt_tokens_within(self._left_s)
-        if urgent:
-            return max(fits, self._efficient_chunk - self.urgent_tokens)
-        return max(fits, BATCH_PROMPT_FLOOR - self.batch_tokens)
+        return max(self.cost.prompt_tokens_within(self._left_s), BATCH_PROMPT_FLOOR - self.batch_tokens)
 
     def spend(self, tokens: int, urgent: bool) -> None:
         if urgent:
