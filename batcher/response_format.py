@@ -16,7 +16,7 @@ class JsonSchemaFormat(BaseModel):
     """OpenAI's `response_format.json_schema`. Answers always follow the schema: `strict` is accepted and
     changes nothing (a schema the grammar library cannot honour exactly is refused instead)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True, serialize_by_alias=True)
 
     name: str = Field(min_length=1, max_length=MAX_SCHEMA_NAME_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
@@ -25,9 +25,10 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: free `text`, any JSON object (`json_object`), or JSON that follows a schema."""
+    """OpenAI's `response_format`: free `text`, any JSON object (`json_object`), or JSON that follows a schema. Values
+    of another type are errors, as in every part of a request (rqbatcher.schema)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None

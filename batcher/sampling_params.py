@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 MAX_TOKENS_LIMIT = 1 << 15
 MAX_STOP_STRINGS = 16
@@ -15,10 +17,21 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: -100 bans a token, 100 makes it all but ce
 PENALTY_LIMIT = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's do
 
 
-class SamplingParams(BaseModel):
-    """How to pick tokens and when to stop. `temperature=0` is greedy decoding. An unknown field is an error."""
+def _token_id_key(value):
+    """A logit_bias key: a token id, or its decimal digits (JSON's keys are text: OpenAI's `{"50256": -100}`)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return value
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+TokenIdKey = Annotated[int, BeforeValidator(_token_id_key)]
+
+
+class SamplingParams(BaseModel):
+    """How to pick tokens and when to stop. `temperature=0` is greedy decoding. An unknown field is an error, and so
+    is a value of another type (`"4"` is not 4, `true` is not 1, 2.0 is not an integer): see rqbatcher.schema."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(0.0, ge=0.0, le=100.0)
@@ -38,7 +51,7 @@ class SamplingParams(BaseModel):
                                      description="subtracted from a token's logit once per time it was generated")
     presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT,
                                     description="subtracted from a token's logit once if it was generated")
-    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES,
+    logit_bias: dict[TokenIdKey, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES,
                                          description="token id -> added to its logit, from -100 to 100")
 
     @field_validator("stop", mode="before")

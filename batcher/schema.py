@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rqbatcher import constraints
+from rqbatcher.errors import quoted
 from rqbatcher.response_format import ResponseFormat
 from rqbatcher.sampling_params import SamplingParams
 from rqbatcher.service_class import ServiceClass
@@ -33,9 +34,11 @@ FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
 
 class _Strict(BaseModel):
-    """What producers send (requests): an unknown field is an error, so a typo never passes silently."""
+    """What producers send (requests): an unknown field is an error, so a typo never passes silently, and a value of
+    another type is an error too (`"4"` is not 4, `true` is not 1), as OpenAI's API refuses them. JSON keeps every
+    type but a datetime, so a job read back from Redis validates as it was sent."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class _Tolerant(BaseModel):
@@ -88,7 +91,8 @@ class GenerationRequest(_Strict):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = Field(0, ge=0, le=9, description="0 is the most urgent")
     timeout_s: float | None = Field(None, gt=0, le=7 * 86400, description="longest run time once admitted")
-    deadline: datetime | None = Field(None, description="fail the job if it has not started by then")
+    deadline: datetime | None = Field(None, strict=False, description="fail the job if it has not started by then "
+                                                                      "(ISO 8601 text in JSON)")
     metadata: dict[str, str | int | float | bool] = Field(default_factory=dict, max_length=MAX_REQUEST_METADATA_ITEMS)
     model: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     chat: bool = False
@@ -148,7 +152,7 @@ class GenerationRequest(_Strict):
         for i, message in enumerate(value or ()):
             called |= {call.id for call in message.tool_calls or ()}
             if message.role == "tool" and message.tool_call_id not in called:
-                raise ValueError(f"message {i} answers the tool call {message.tool_call_id!r}, which no earlier "
+                raise ValueError(f"message {i} answers the tool call {quoted(message.tool_call_id)}, which no earlier "
                                  "assistant message made")
         return value
 

@@ -58,8 +58,8 @@ def gateway(fake_redis):
         yield http
 
 
-@pytest.fixture
-def worker(fake_redis, keep_signal_handlers):
+@pytest.fixture(name="worker")
+def worker_fixture(fake_redis, keep_signal_handlers):
     """A worker serving MODEL on the default queue, with a fake engine, in a thread."""
     running = JobWorker(keys.priority_queue_names([keys.DEFAULT_QUEUE], model=MODEL), FakeEngine(),
                           connection=fake_redis, model_name=MODEL, lease_s=1)
@@ -371,7 +371,7 @@ def test_losing_redis_while_waiting_answers_503_and_cancels_the_job(gateway, fak
 def test_an_enqueue_no_replica_confirmed_answers_503_not_replicated(gateway, fake_redis, monkeypatch):
     pretend_worker(fake_redis)
 
-    def unconfirmed(request):
+    def unconfirmed(request, **_):
         raise NotReplicated("0 of 1 replicas confirmed the enqueue of 1 jobs within 1000 ms")
 
     monkeypatch.setattr(gateway.app.state.client, "submit", unconfirmed)

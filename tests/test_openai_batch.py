@@ -96,7 +96,7 @@ def test_token_id_prompt_and_chat():
     (line({"prompt": "x", "logprobs": 6}), "logprobs must be an integer from 0 to 5"),
     (line({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, url="/v1/chat/completions"),
      "top_logprobs needs logprobs: true"),
-    (line({}), "exactly one of"),
+    (line({}), "prompt is required"),
     (line({"prompt": [1, -5]}), "token ids"),
     (line({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, url=CHAT),
      r"messages\[0\].content: only text parts are read .*'image_url'"),

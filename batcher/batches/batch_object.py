@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rqbatcher.errors import quoted
 from rqbatcher.jobs import keys
 from rqbatcher.jobs.redis_text import as_text
 
@@ -158,7 +159,8 @@ def parse_window(window: str) -> int:
     """Seconds in a completion window such as `24h`, `30m`, `45s` or `2d`."""
     match = WINDOW_PATTERN.fullmatch(window) if isinstance(window, str) else None
     if match is None or int(match.group(1)) < 1:
-        raise BatchInputError(f"completion_window is a number and a unit (s, m, h, d), such as 24h; got {window!r}")
+        raise BatchInputError(f"completion_window is a number and a unit (s, m, h, d), such as 24h; got "
+                              f"{quoted(window)}")
     return int(match.group(1)) * WINDOW_UNITS[match.group(2)]
 
 
@@ -169,7 +171,7 @@ def parse_output_expiry(expires_after: object) -> int | None:
         return None
     if not isinstance(expires_after, dict) or set(expires_after) != {"anchor", "seconds"} or (
             expires_after["anchor"] != EXPIRY_ANCHOR):
-        raise BatchInputError(OUTPUT_EXPIRY_SHAPE + f"; got {expires_after!r}")
+        raise BatchInputError(OUTPUT_EXPIRY_SHAPE + f"; got {quoted(expires_after)}")
     return check_output_expiry(expires_after["seconds"])
 
 
@@ -177,7 +179,7 @@ def check_output_expiry(seconds: object) -> int | None:
     """`seconds` if it is a number of seconds that OpenAI's `output_expires_after` allows (None passes)."""
     if seconds is not None and (not isinstance(seconds, int) or isinstance(seconds, bool)
                                 or not MIN_OUTPUT_EXPIRY_S <= seconds <= MAX_OUTPUT_EXPIRY_S):
-        raise BatchInputError(OUTPUT_EXPIRY_SHAPE + f"; got {seconds!r} seconds")
+        raise BatchInputError(OUTPUT_EXPIRY_SHAPE + f"; got {quoted(seconds)} seconds")
     return seconds
 
 

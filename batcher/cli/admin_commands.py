@@ -1,4 +1,4 @@
-"""Operator commands: `workers`, `drain`, `suspend`, `resume`, `queues`, `requeue`.
+"""Operator commands: `workers`, `drain`, `suspend`, `resume`, `queues`, `requeue`, `tenants`.
 
 Human-readable tables by default, `--json` for scripts."""
 
@@ -12,6 +12,7 @@ import click
 
 from rqbatcher.cli.group import main
 from rqbatcher.cli.options import json_option, redis_url_option
+from rqbatcher.gateway.tenant_limits import usage
 from rqbatcher.jobs import admin, keys
 
 DRAIN_POLL_S = 0.5
@@ -154,3 +155,31 @@ def requeue(redis_url, failed, queue):
     """Put failed jobs back on their queues."""
     n = admin.requeue_failed(_connect(redis_url), queue and keys.check_queue(queue))
     click.echo(f"requeued {n} job(s)")
+
+
+@main.command()
+@redis_url_option
+@click.option("--queue", default=keys.DEFAULT_QUEUE, show_default=True,
+              help="The base queue whose batch lines are counted.")
+@json_option
+def tenants(redis_url, queue, as_json):
+    """The gateway's tenants (as each `batcher serve` published them at its start): each limit and what the tenant
+    uses of it now. Requests and tokens are what its per-minute buckets hold spent (they refill continuously), then
+    its requests in flight and its batch lines queued in --queue."""
+    rows = usage(_connect(redis_url), keys.check_queue(queue))
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in rows], indent=1))
+        return
+    if not rows:
+        click.echo("no tenants: no gateway has published its limits")
+        return
+
+    def of(used, limit) -> str:
+        return "-" if limit is None else f"{used:.0f}/{limit}"
+
+    click.echo(_table([{"tenant": r.tenant,
+                        "requests/min": of(r.requests, r.limits.requests_per_minute),
+                        "tokens/min": of(r.tokens, r.limits.tokens_per_minute),
+                        "concurrent": f"{r.concurrent}/{r.limits.max_concurrent_requests or '-'}",
+                        "queued_batch_lines": f"{r.queued_batch_lines}/{r.limits.max_queued_batch_lines or '-'}"}
+                       for r in rows], ["tenant", "requests/min", "tokens/min", "concurrent", "queued_batch_lines"]))

@@ -58,7 +58,7 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
         sampling = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
                                       ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty))
                     if v is not None}
-        sampling["logit_bias"] = options.key_values(logit_bias, "--logit-bias") or {}
+        sampling["logit_bias"] = _biases(logit_bias)
         constraint = _constraint(schema_file, regex)
         try:
             request = GenerationRequest(prompt=prompt, chat=not raw, model=model, sampling=sampling,
@@ -84,6 +84,15 @@ def submit(redis_url, queue, prompt, batch_file, model, raw, max_tokens, tempera
             for line in client.batch_output(created.id, errors=errors):
                 click.echo(line, nl=False)
         sys.exit(0 if ended.status == "completed" and not ended.request_counts.failed else 1)
+
+
+def _biases(pairs: tuple[str, ...]) -> dict[str, float]:
+    """--logit-bias TOKEN_ID=BIAS options, each BIAS read as a number (the schema takes no text for one)."""
+    biases = options.key_values(pairs, "--logit-bias") or {}
+    try:
+        return {token: float(bias) for token, bias in biases.items()}
+    except ValueError:
+        raise click.BadParameter("give TOKEN_ID=BIAS with BIAS a number", param_hint="--logit-bias") from None
 
 
 def _constraint(schema_file, regex: str | None) -> dict:

@@ -8,6 +8,7 @@ import click
 
 from rqbatcher import config as c
 from rqbatcher.client import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from rqbatcher.gateway.tenant_limits import Limits
 from rqbatcher.jobs import durability, keys
 
 redis_url_option = click.option(
@@ -125,3 +126,26 @@ def key_values(pairs: tuple[str, ...], option: str) -> dict[str, str] | None:
     if bad:
         raise click.BadParameter(f"give KEY=VALUE, got {bad[0]!r}", param_hint=option)
     return dict(p.split("=", 1) for p in pairs)
+
+
+def tenant_limit_options(func):
+    """Add every tenant's default limits in the gateway (--requests-per-minute ...; no limit unless given); the command
+    receives `default_limits: Limits` (batcher/gateway/tenant_limits.py). A key's line in the keys file overrides
+    them for its tenant."""
+    helps = {"requests_per_minute": "Requests a tenant may start per minute (chat, completions, responses, "
+                                    "embeddings).",
+             "tokens_per_minute": "Tokens a tenant may use per minute: a request reserves its prompt's estimate "
+                                  "plus max_tokens, settled to its usage at its end.",
+             "max_concurrent_requests": "Requests of one tenant in flight at once.",
+             "max_queued_batch_lines": "Batch lines of one tenant queued and not yet run; a batch that would pass it "
+                                       "is refused whole."}
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        kwargs["default_limits"] = Limits(**{name: kwargs.pop(name) for name in helps})
+        return func(*args, **kwargs)
+
+    for name, help_text in reversed(helps.items()):
+        wrapper = click.option(f"--{name.replace('_', '-')}", type=click.IntRange(1), default=None,
+                               envvar=f"BATCHER_{name.upper()}", help=help_text + " Default: no limit.")(wrapper)
+    return wrapper

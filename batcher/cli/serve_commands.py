@@ -8,7 +8,7 @@ import click
 
 from rqbatcher.batches.file_store import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_FILE_LINES
 from rqbatcher.cli.group import main
-from rqbatcher.cli.options import queue_option, redis_url_option, replica_wait_options
+from rqbatcher.cli.options import queue_option, redis_url_option, replica_wait_options, tenant_limit_options
 from rqbatcher.client import DEFAULT_MAX_QUEUE_LENGTH
 from rqbatcher.errors import BatcherError
 from rqbatcher.gateway.defaults import (
@@ -27,7 +27,8 @@ from rqbatcher.gateway.defaults import (
 @redis_url_option
 @queue_option
 @click.option("--api-keys-file", type=click.Path(dir_okay=False), envvar=API_KEYS_FILE_ENV,
-              help="API keys, one a line (# comments); added to those of $BATCHER_API_KEYS (comma-separated).")
+              help="API keys, one a line (# comments), each optionally followed by its own limits "
+                   "(requests-per-minute=60 ...); added to those of $BATCHER_API_KEYS (comma-separated).")
 @click.option("--max-file-bytes", type=click.IntRange(1), default=DEFAULT_MAX_FILE_BYTES, show_default=True,
               envvar="BATCHER_MAX_FILE_BYTES", help="Largest batch input file.")
 @click.option("--max-file-lines", type=click.IntRange(1), default=DEFAULT_MAX_FILE_LINES, show_default=True,
@@ -36,9 +37,10 @@ from rqbatcher.gateway.defaults import (
               envvar="BATCHER_MAX_REQUEST_BYTES", help="Largest JSON request body.")
 @click.option("--max-queue-length", type=click.IntRange(1), default=DEFAULT_MAX_QUEUE_LENGTH, show_default=True,
               envvar="BATCHER_MAX_QUEUE_LENGTH", help="Answer 429 rather than queue more jobs than this.")
+@tenant_limit_options
 @replica_wait_options
 def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_lines, max_request_bytes,
-          max_queue_length):
+          max_queue_length, default_limits):
     """The OpenAI-compatible HTTP gateway. It serves:
 
     \b
@@ -52,7 +54,9 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
       GET /health, /metrics
 
     It keeps no state of its own (everything is in Redis), so replicas can run behind a load balancer.
-    Each API key is a tenant that sees only its own files and batches."""
+    Each API key is a tenant that sees only its own files and batches. The limits (--requests-per-minute ...) are
+    every tenant's, shared by every gateway on the Redis; a key's line in --api-keys-file may override them:
+    `sk-abc requests-per-minute=60 max-concurrent-requests=4`. Past one, the answer is 429 (`batcher tenants`)."""
     try:
         import uvicorn
 
@@ -72,7 +76,8 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
     connection.ping()  # an unreachable Redis is a one-line error now, not a 503 on every request
     config = GatewayConfig(queue=queue, api_keys=api_keys,
                            file_limits=FileLimits(max_bytes=max_file_bytes, max_lines=max_file_lines),
-                           max_request_bytes=max_request_bytes, max_queue_length=max_queue_length)
+                           max_request_bytes=max_request_bytes, max_queue_length=max_queue_length,
+                           default_limits=default_limits)
     app = create_app(config, connection, connect_async(redis_url))
     click.echo(f"batcher gateway on http://{host}:{port} (queue {queue}, "
                f"{len(api_keys) or 'no'} API key{'' if len(api_keys) == 1 else 's'})", err=True)

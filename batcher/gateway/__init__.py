@@ -17,5 +17,7 @@ so any number of replicas can run behind a load balancer. It never imports torch
 - `file_routes`       /v1/files: uploads parsed as a stream into Redis, contents streamed back
 - `batch_routes`      /v1/batches: create from an uploaded file, read, list, cancel
 - `http_metrics`      the gateway's own Prometheus metrics
+- `tenant_limits`     each tenant's limits (defaults, the keys file's overrides), what a request reserves, usage now
+- `tenant_admission`  those limits enforced in Redis across gateways: one Lua script a check, 429s and their headers
 - `defaults`          the defaults `batcher serve --help` shows, importable without the server extra
 """

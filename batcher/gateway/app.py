@@ -1,14 +1,18 @@
 """The gateway's Starlette application: its routes, its error handlers and its middleware.
 
 `create_app` takes its Redis connections (a sync one for the core API, run in threads, and an asyncio one
-for the streams it follows), so that tests can hand it fakeredis.
+for the streams it follows), so that tests can hand it fakeredis. At its start it publishes its tenants' limits
+(`batcher tenants` reads them), and while it runs it renews the leases of its requests' concurrency slots.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
@@ -27,6 +31,8 @@ from rqbatcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from rqbatcher.gateway.error_objects import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
 from rqbatcher.gateway.http_metrics import GatewayMetrics, MetricsMiddleware
 from rqbatcher.gateway.job_service import JobService
+from rqbatcher.gateway.tenant_admission import AdmissionMiddleware, TenantAdmission
+from rqbatcher.gateway.tenant_limits import OPEN_TENANT, Limits, TenantLimits, publish
 from rqbatcher.jobs import keys
 
 MODEL_OWNER = "batcher"
@@ -39,6 +45,7 @@ class GatewayConfig:
     file_limits: FileLimits = field(default_factory=FileLimits)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_queue_length: int | None = DEFAULT_MAX_QUEUE_LENGTH
+    default_limits: Limits = field(default_factory=Limits)  # every tenant's, unless its line in the keys file says
 
 
 def _model_json(name: str) -> dict:
@@ -93,18 +100,33 @@ ROUTES = [
 ]
 
 
+@asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    async with anyio.create_task_group() as group:
+        group.start_soon(app.state.admission.keep_leases)
+        yield
+        group.cancel_scope.cancel()
+
+
 def create_app(config: GatewayConfig, connection: Redis, aconnection: AsyncRedis,
                registry: CollectorRegistry | None = None) -> Starlette:
     gateway_metrics = GatewayMetrics(registry or CollectorRegistry())
-    app = Starlette(routes=ROUTES, exception_handlers=EXCEPTION_HANDLERS, middleware=[
+    limits = TenantLimits(config.default_limits, config.api_keys.limit_overrides)
+    tenants = config.api_keys.tenants or [OPEN_TENANT]
+    admission = TenantAdmission(connection, aconnection, limits, config.queue, gateway_metrics.rate_limited)
+    app = Starlette(routes=ROUTES, exception_handlers=EXCEPTION_HANDLERS, lifespan=_lifespan, middleware=[
         Middleware(MetricsMiddleware, metrics=gateway_metrics, routes=ROUTES),
         Middleware(AuthMiddleware, keys=config.api_keys),
+        Middleware(AdmissionMiddleware, admission=admission),
     ])
+    publish(connection, limits, tenants)
+    gateway_metrics.show_limits({tenant: limits.of(tenant) for tenant in tenants})
     app.state.config = config
     app.state.client = Client(connection, queue=config.queue, max_queue_length=config.max_queue_length)
     app.state.responses_client = response_routes.responses_client(connection, config.queue, config.max_queue_length)
     app.state.files = FileStore(connection, config.file_limits)
     app.state.aconnection = aconnection
-    app.state.jobs = JobService(app.state.client, aconnection)
+    app.state.admission = admission
+    app.state.jobs = JobService(app.state.client, aconnection, admission)
     app.state.metrics = gateway_metrics
     return app

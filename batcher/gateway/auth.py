@@ -1,6 +1,7 @@
 """API keys: each key is a tenant, which sees only its own files and batches.
 
-Keys come from BATCHER_API_KEYS (comma-separated) and/or a file (one key a line, `#` comments). A tenant's
+Keys come from BATCHER_API_KEYS (comma-separated) and/or a file (one key a line, `#` comments; the key may be
+followed by its tenant's limits, `requests-per-minute=60 tokens-per-minute=20000`, see tenant_limits.py). A tenant's
 name is derived from its key (`key-` and 16 hex digits of its SHA-256): stable across replicas and
 restarts, and the key itself is never written to Redis or a log. A presented key is checked against every
 configured key with `hmac.compare_digest` on SHA-256 digests, so the time taken says nothing about how
@@ -23,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rqbatcher.errors import BatcherError
 from rqbatcher.gateway.defaults import API_KEYS_ENV
 from rqbatcher.gateway.error_objects import ApiError
+from rqbatcher.gateway.tenant_limits import LIMIT_OPTIONS, Limits, parse_limit_options
 
 TENANT_PREFIX = "key-"
 TENANT_HASH_CHARS = 16
@@ -38,19 +40,33 @@ def tenant_of(key: str) -> str:
 
 
 class ApiKeys:
-    def __init__(self, keys: Iterable[str] = ()) -> None:
+    def __init__(self, keys: Iterable[str] = (), limits: dict[str, Limits] | None = None) -> None:
+        """`limits`: a key's own limits, where they differ from the gateway's defaults."""
         self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in dict.fromkeys(keys)]
+        self.limit_overrides = {tenant_of(k): v for k, v in (limits or {}).items()}  # by tenant
 
     @classmethod
     def load(cls, env_value: str | None, path: str | Path | None) -> ApiKeys:
         keys = [k.strip() for k in (env_value or "").split(",")]
+        limits = {}
         if path is not None:
             try:
                 text = Path(path).read_text()
             except OSError as exc:
                 raise BatcherError(f"cannot read the API keys file {path}: {exc.strerror}") from None
-            keys += [line.split("#", 1)[0].strip() for line in text.splitlines()]
-        return cls(k for k in keys if k)
+            for number, line in enumerate(text.splitlines(), 1):
+                words = line.split("#", 1)[0].split()
+                if not words:
+                    continue
+                key, *options = words
+                try:
+                    if key.partition("=")[0] in LIMIT_OPTIONS:
+                        raise ValueError("the line starts with an option: its key comes first")
+                    limits[key] = parse_limit_options(options)
+                except ValueError as exc:  # the message names the line, never the key on it
+                    raise BatcherError(f"the API keys file {path}, line {number}: {exc}") from None
+                keys.append(key)
+        return cls((k for k in keys if k), limits)
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -1,5 +1,7 @@
 """/v1/batches: a batch created from an uploaded file through the core API (`Client.create_batch`), read,
-listed newest first, and cancelled. Each tenant sees only its own: another tenant's id is not found."""
+listed newest first, and cancelled. Each tenant sees only its own: another tenant's id is not found. A batch whose
+lines would pass its tenant's max-queued-batch-lines is refused whole (429) before any line is enqueued
+(batcher/gateway/tenant_admission.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from rqbatcher.batches.batch_object import DEFAULT_COMPLETION_WINDOW, Batch, BatchInputError, parse_output_expiry
+from rqbatcher.batches.batch_object import (
+    DEFAULT_COMPLETION_WINDOW,
+    Batch,
+    BatchInputError,
+    check_metadata,
+    parse_output_expiry,
+)
 from rqbatcher.batches.file_store import FileNotFound, FileStore
 from rqbatcher.client import Client
+from rqbatcher.errors import names, quoted, shortened
 from rqbatcher.gateway.body import read_json
 from rqbatcher.gateway.error_objects import ApiError
+from rqbatcher.gateway.numbers import number_of
 from rqbatcher.openai.batch_endpoints import ENDPOINTS
 
 DEFAULT_LIST_LIMIT = 20  # OpenAI's page size and its bounds
@@ -26,16 +36,23 @@ def batch_json(batch: Batch) -> dict:
 
 async def create_batch(request: Request) -> JSONResponse:
     body = await read_json(request, request.app.state.config.max_request_bytes)
-    unknown = sorted(set(body) - CREATE_FIELDS)
+    unknown = set(body) - CREATE_FIELDS
     if unknown:
-        raise ApiError(400, f"unsupported fields: {', '.join(unknown)}", param=unknown[0])
+        raise ApiError(400, f"unsupported fields: {names(unknown)}", param=min(unknown))
     file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
     if not isinstance(file_id, str):
         raise ApiError(400, "input_file_id is required: the id of a file uploaded with purpose batch",
                        param="input_file_id")
     if endpoint not in ENDPOINTS:
-        raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}", param="endpoint")
+        raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}; got {quoted(endpoint)}", param="endpoint")
     window = body.get("completion_window", DEFAULT_COMPLETION_WINDOW)
+    if window != DEFAULT_COMPLETION_WINDOW:  # OpenAI's only window (`Client.create_batch` takes others)
+        raise ApiError(400, f"completion_window is {DEFAULT_COMPLETION_WINDOW}; got {quoted(window)}",
+                       param="completion_window")
+    try:
+        check_metadata(body.get("metadata"))
+    except BatchInputError as exc:
+        raise ApiError(400, str(exc), param="metadata") from None
     try:
         output_expires_s = parse_output_expiry(body.get("output_expires_after"))
     except BatchInputError as exc:
@@ -46,12 +63,17 @@ async def create_batch(request: Request) -> JSONResponse:
     try:
         uploaded = await run_in_threadpool(store.get, file_id, tenant)
     except FileNotFound as exc:
-        raise ApiError(404, str(exc), param="input_file_id") from None
+        raise ApiError(404, f"input_file_id: {shortened(str(exc), file_id)}", param="input_file_id") from None
     if uploaded.purpose != "batch":
         raise ApiError(400, f"file {file_id} was uploaded for {uploaded.purpose}, not batch", param="input_file_id")
-    created = await run_in_threadpool(lambda: client.create_batch(
-        store.lines(file_id), endpoint=endpoint, completion_window=window, metadata=body.get("metadata"),
-        owner=tenant, input_file_id=file_id, output_expires_s=output_expires_s))
+    admission = request.app.state.admission
+    reservation = await run_in_threadpool(admission.reserve_batch, tenant, uploaded.lines)
+    try:
+        created = await run_in_threadpool(lambda: client.create_batch(
+            store.lines(file_id), endpoint=endpoint, completion_window=window, metadata=body.get("metadata"),
+            owner=tenant, input_file_id=file_id, output_expires_s=output_expires_s))
+    finally:
+        await run_in_threadpool(admission.release_batch, tenant, reservation)
     return JSONResponse(batch_json(created))
 
 
@@ -70,9 +92,9 @@ async def cancel_batch(request: Request) -> JSONResponse:
 async def list_batches(request: Request) -> JSONResponse:
     client: Client = request.app.state.client
     raw_limit = request.query_params.get("limit", str(DEFAULT_LIST_LIMIT))
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
-        raise ApiError(400, f"limit is 1 to {MAX_LIST_LIMIT}; got {raw_limit!r}", param="limit")
-    limit = int(raw_limit)
+    limit = number_of(raw_limit)
+    if limit is None or not 1 <= limit <= MAX_LIST_LIMIT:
+        raise ApiError(400, f"limit is 1 to {MAX_LIST_LIMIT}; got {quoted(raw_limit)}", param="limit")
     after = request.query_params.get("after")
     found = await run_in_threadpool(client.batches, request.state.tenant, after, limit + 1)
     page = found[:limit]

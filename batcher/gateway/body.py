@@ -2,7 +2,9 @@
 
 A body past its limit answers 413. The rest of it is read and dropped first (up to DRAIN_LIMIT_BYTES), so
 that a client still sending reads the 413 instead of a broken connection; a body declared far larger than
-that is refused at once.
+that is refused at once. A JSON body that Python's parser reads but that is not JSON as RFC 8259 has it (NaN,
+Infinity), or whose text is not Unicode (a lone surrogate escape, `\\ud800`), answers 400 as any malformed body does:
+no answer or Redis key could hold it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 
 from rqbatcher.gateway.error_objects import ApiError, too_large
+from rqbatcher.gateway.numbers import number_of
 
 DRAIN_LIMIT_BYTES = 64 * 2**20
 # OpenAI's bodies nest a few levels, a tool's or response format's JSON schema a few dozen: deeper is refused before
@@ -33,9 +36,9 @@ class BodyReader:
         return too_large(f"The {self.what} is larger than the limit of {self.limit} bytes.", self.code)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        declared = self.request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            if int(declared) - self.limit > DRAIN_LIMIT_BYTES:
+        declared = number_of(self.request.headers.get("content-length"))
+        if declared is not None and declared > self.limit:
+            if declared - self.limit > DRAIN_LIMIT_BYTES:
                 raise self.too_large()
             await self.drain()
             raise self.too_large()
@@ -65,31 +68,56 @@ class BodyReader:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    """The request's JSON object; 413 past `limit`, 400 if it is not a JSON object or nests past MAX_JSON_DEPTH."""
+    """The request's JSON object; 413 past `limit`, 400 if it is not a JSON object, nests past MAX_JSON_DEPTH, or
+    holds what JSON has not (NaN, Infinity, a lone surrogate)."""
     reader = BodyReader(request, limit)
     body = bytearray()
     async for chunk in reader.chunks():
         body += chunk
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"The body is not valid JSON: {exc}") from None
     except RecursionError:
         raise ApiError(400, f"The body nests deeper than {MAX_JSON_DEPTH} levels.") from None
     if not isinstance(value, dict):
         raise ApiError(400, "The body must be a JSON object.")
-    if nesting_depth(value) > MAX_JSON_DEPTH:
+    depth, unicode = _shape(value)
+    if depth > MAX_JSON_DEPTH:
         raise ApiError(400, f"The body nests deeper than {MAX_JSON_DEPTH} levels.")
+    if not unicode:
+        raise ApiError(400, "The body is not valid JSON: it holds a lone surrogate (\\ud800 to \\udfff), which is no "
+                            "character.")
     return value
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
 
 
 def nesting_depth(value) -> int:
     """How deeply `value` nests lists and objects, walked without recursion."""
-    deepest, pending = 0, [(value, 1)]
+    return _shape(value)[0]
+
+
+def _shape(value) -> tuple[int, bool]:
+    """(how deeply `value` nests lists and objects, whether each of its strings, keys too, is Unicode text that UTF-8
+    can encode: a lone surrogate is not), in one walk without recursion that stacks containers only."""
+    deepest, unicode, pending = 0, True, [([value], 0)]
     while pending:
-        item, depth = pending.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is not None:
-            deepest = max(deepest, depth)
-            pending.extend((child, depth + 1) for child in children)
-    return deepest
+        container, depth = pending.pop()
+        deepest = max(deepest, depth)
+        for child in [*container, *container.values()] if isinstance(container, dict) else container:
+            if isinstance(child, (dict, list)):
+                pending.append((child, depth + 1))
+            elif isinstance(child, str) and not child.isascii():
+                unicode = unicode and _encodes(child)
+    return deepest, unicode
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -79,7 +79,7 @@ async def _complete(request: Request, url: str):
     if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
         generation = generation.model_copy(update={"tenant": request.state.tenant})
     tier = TIER_OF_CLASS[class_of(generation)]  # echoed, as OpenAI does
-    model, job_id = await run_in_threadpool(app.state.jobs.submit, generation)
+    model, job_id = await run_in_threadpool(app.state.jobs.submit, generation, request.state)
     created = int(time.time())
     if stream:
         chunks = Chunks(url, job_id, created, model, usage_options, tier, generation)
@@ -206,7 +206,7 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
         opening = chunks.opening()
         if opening is not None:
             yield opening
-        async for event in app.state.jobs.events(job_id):
+        async for event in app.state.jobs.events(job_id, request.state):
             if event.type == "restart":
                 for relay, logprobs in zip(relays, attempt_logprobs):
                     relay.restart()

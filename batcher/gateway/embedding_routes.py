@@ -37,7 +37,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
         raise ApiError(400, str(exc), param=exc.param) from None
     if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
         generation = generation.model_copy(update={"tenant": request.state.tenant})
-    job_id = await run_in_threadpool(_enqueue, app.state.jobs, generation)
+    job_id = await run_in_threadpool(_enqueue, app.state.jobs, generation, request.state)
     try:
         result = await app.state.jobs.result_when_ended(request, job_id)
     except ApiError as exc:
@@ -47,7 +47,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
     return JSONResponse(embeddings_object(result, generation, encoding_format))
 
 
-def _enqueue(jobs: JobService, request: GenerationRequest) -> str:
+def _enqueue(jobs: JobService, request: GenerationRequest, state) -> str:
     """The job id, once the live workers that may take the job can answer it (ApiError otherwise)."""
     live, _ = jobs.serving(request)  # 404 model_not_found
     takers = [w for w in live if request.model is None or w.model == request.model]
@@ -61,7 +61,7 @@ def _enqueue(jobs: JobService, request: GenerationRequest) -> str:
         refusing = next((w for w in takers if not _gives_dimensions(w, request.dimensions)), None)
         if refusing is not None:
             raise ApiError(400, _dimensions_refusal(refusing, request.dimensions), param="dimensions")
-    return jobs.client.submit(request)
+    return jobs.enqueue(request, state)  # 429 past the tenant's limits
 
 
 def _embeds(worker: WorkerStats) -> bool:

@@ -1,7 +1,10 @@
 """OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, and the status each fault answers.
 
-400 a malformed request, 401 no valid key, 404 an unknown id or model, 413 too large, 429 the queue is full,
-503 Redis unreachable. A fault of ours (a bug) is a 500 with no detail; the traceback goes to the log.
+400 a malformed request, 401 no valid key, 404 an unknown id or model, 413 too large, 429 the queue is full or a
+tenant's limit is reached (tenant_admission.RateLimited), 503 Redis unreachable. A fault of ours (a bug) is a 500
+with no detail; the traceback goes to the log.
+A message is at most MAX_MESSAGE_CHARS long, and quotes at most a short prefix of what the client sent
+(rqbatcher.errors.quoted); what the URL holds (an id, a model's name, a query's values) is cut so in any message.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from starlette.responses import JSONResponse
 from rqbatcher.batches.batch_object import BatchInputError, BatchNotFound
 from rqbatcher.batches.file_store import FileNotFound, FileTooLarge
 from rqbatcher.client import QueueFull
+from rqbatcher.errors import short_name, shortened
 from rqbatcher.jobs.durability import NotReplicated
 
 log = logging.getLogger(__name__)
@@ -25,6 +29,8 @@ INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 # Tells the official SDKs not to retry a failure that would fail again (they retry every 5xx otherwise).
 NO_RETRY = {"x-should-retry": "false"}
+MAX_MESSAGE_CHARS = 2000
+CUT_MARK = "..."
 
 
 class ApiError(Exception):
@@ -44,7 +50,12 @@ class ApiError(Exception):
 
 
 def error_body(message: str, type: str = INVALID_REQUEST, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error object; the message cut to MAX_MESSAGE_CHARS, and the param (a field name the client sent) to
+    a short prefix."""
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS - len(CUT_MARK)] + CUT_MARK
+    return {"error": {"message": message, "type": type, "param": None if param is None else short_name(param),
+                      "code": code}}
 
 
 def too_large(message: str, code: str) -> ApiError:
@@ -52,7 +63,13 @@ def too_large(message: str, code: str) -> ApiError:
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    exc.message = shortened(exc.message, *_sent_in_url(request))
     return exc.response()
+
+
+def _sent_in_url(request: Request) -> list[str]:
+    """What the client sent in the URL (an id, a model's name, a query's values), which a message may quote."""
+    return [*request.path_params.values(), *request.query_params.values()]
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -63,7 +80,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 async def _not_found(request: Request, exc: Exception) -> JSONResponse:
     param = next(iter(request.path_params), None)
-    return ApiError(404, str(exc), param=param).response()
+    return ApiError(404, shortened(str(exc), *_sent_in_url(request)), param=param).response()
 
 
 async def _bad_batch(request: Request, exc: BatchInputError) -> JSONResponse:

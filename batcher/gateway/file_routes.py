@@ -29,12 +29,14 @@ from rqbatcher.batches.file_store import (
     FileTooLarge,
 )
 from rqbatcher.batches.store import BatchStore
+from rqbatcher.errors import quoted, short_name
 from rqbatcher.gateway.body import BodyReader
 from rqbatcher.gateway.error_objects import ApiError
 
 FORM_OVERHEAD_BYTES = 64 * 1024  # an upload's other fields and part headers, beyond the file's own limit
 MAX_FIELD_BYTES = 1024  # purpose, expires_after[...]: short values
 FILE_FIELD = "file"
+FORM_FIELDS = (FILE_FIELD, "purpose", "expires_after[anchor]", "expires_after[seconds]")  # OpenAI's, and no other
 DOWNLOAD_BLOCK_BYTES = 64 * 1024  # rendered lines are sent in blocks of about this size
 CONTENT_TYPE = "application/jsonl"
 OUTPUT_PURPOSE = "batch_output"
@@ -107,6 +109,9 @@ async def create_file(request: Request) -> JSONResponse:
             for event in parts.take():
                 if event[0] == "part":
                     current = event[1]
+                    if current not in FORM_FIELDS:
+                        raise ApiError(400, f"unsupported form field {short_name(current)}: an upload has the fields "
+                                            f"{', '.join(FORM_FIELDS)}", param=current)
                     if current == FILE_FIELD:
                         filename = event[2] or FILE_FIELD
                 elif event[0] == "data" and current == FILE_FIELD:
@@ -143,7 +148,7 @@ def _form(fields: dict[str, bytes], filename: str | None) -> tuple[str, int]:
         raise ApiError(400, "The upload has no `file` field.", param=FILE_FIELD)
     purpose = fields.get("purpose", b"").decode("utf-8", "replace")
     if purpose not in PURPOSES:
-        raise ApiError(400, f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}", param="purpose")
+        raise ApiError(400, f"purpose must be one of {', '.join(PURPOSES)}; got {quoted(purpose)}", param="purpose")
     anchor = fields.get("expires_after[anchor]")
     seconds = fields.get("expires_after[seconds]")
     if anchor is None and seconds is None:

@@ -1,5 +1,6 @@
 """The gateway's own Prometheus metrics, served on its /metrics: requests by route, method and status, their
-latency (to the last byte: a stream counts until its end), and the streams open now.
+latency (to the last byte: a stream counts until its end), the streams open now, each tenant's limits and the
+requests refused for passing one (429), by tenant and limit.
 
 Routes are labelled by their template (`/v1/batches/{batch_id}`), never by the path a client sent, so a
 scan of random ids cannot blow up the number of series.
@@ -8,10 +9,13 @@ scan of random ids cannot blow up the number of series.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rqbatcher.gateway.tenant_limits import Limits
 
 UNMATCHED_ROUTE = "other"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -27,6 +31,19 @@ class GatewayMetrics:
                                  ["route", "method"], buckets=LATENCY_BUCKETS, registry=registry)
         self.streams = Gauge("batcher_gateway_streams", "Completion streams (server-sent events) open now",
                              registry=registry)
+        self.rate_limited = Counter("batcher_gateway_rate_limited",
+                                    "Requests refused with 429 for passing a tenant's limit, by tenant and limit "
+                                    "(requests, tokens, concurrency, batch_lines)", ["tenant", "limit"],
+                                    registry=registry)
+        self.tenant_limits = Gauge("batcher_gateway_tenant_limit",
+                                   "Each tenant's limits as this gateway enforces them (a limit not set is absent)",
+                                   ["tenant", "limit"], registry=registry)
+
+    def show_limits(self, limits: dict[str, Limits]) -> None:
+        for tenant, tenant_limits in limits.items():
+            for name, value in asdict(tenant_limits).items():
+                if value is not None:
+                    self.tenant_limits.labels(tenant, name).set(value)
 
 
 class MetricsMiddleware:

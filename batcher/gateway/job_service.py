@@ -3,7 +3,9 @@
 A request's model is checked against the live workers of the gateway's queue (404 `model_not_found` unless one
 serves it), then its job is enqueued; its end is read from the job's Redis stream, whose `done` event carries the
 whole result, so a request that waits for its answer reads Redis once (the stored result is read only when the
-stream was lost). A client that goes away before its job ends cancels the job.
+stream was lost). A client that goes away before its job ends cancels the job. A job is enqueued only once its
+tenant's limits admit it (batcher/gateway/tenant_admission.py): 429 otherwise; the usage its end reports is noted on
+the request, whose admission is settled by it when the HTTP request ends.
 
 The live workers are read (SMEMBERS plus an HGETALL each) at most once every LIVE_WORKERS_TTL_S per process, so a
 busy gateway reads them once, not once a request. A model missing from that view is looked up again at once before
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import aclosing
 
 import anyio
 from redis.asyncio import Redis as AsyncRedis
@@ -22,11 +25,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from rqbatcher.client import Client, JobFailed
+from rqbatcher.errors import short_name
 from rqbatcher.gateway import job_streams
 from rqbatcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError
+from rqbatcher.gateway.tenant_admission import ADMISSION_FIELD, TenantAdmission, note_usage
 from rqbatcher.jobs.admin import list_workers
 from rqbatcher.jobs.worker_stats import WorkerStats
-from rqbatcher.logit_bias import logit_bias_problem
+from rqbatcher.logit_bias import token_ids_problem
 from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -40,9 +45,10 @@ FAILED_CODE = "generation_failed"  # a failed job's answer (its reason is the wo
 class JobService:
     """Submit, follow, wait for and cancel the jobs of one gateway process, on its queue."""
 
-    def __init__(self, client: Client, aconnection: AsyncRedis) -> None:
+    def __init__(self, client: Client, aconnection: AsyncRedis, admission: TenantAdmission) -> None:
         self.client = client
         self.aconnection = aconnection
+        self.admission = admission
         self._live: list[WorkerStats] = []
         self._live_read_at = -LIVE_WORKERS_TTL_S
         self._live_lock = threading.Lock()
@@ -63,7 +69,8 @@ class JobService:
 
     def served_model(self, request: GenerationRequest) -> str:
         """The model the request runs on; 404 model_not_found unless a live worker of the queue serves it, and 400
-        if its logit_bias names a token outside that model's vocabulary (as its workers publish it)."""
+        if a token id it gives (logit_bias, prompt, input) is outside that model's vocabulary, as its workers publish
+        it."""
         return self.serving(request)[1]
 
     def serving(self, request: GenerationRequest) -> tuple[list[WorkerStats], str]:
@@ -78,14 +85,35 @@ class JobService:
         live = self.live_workers(fresh=True)
         return live, served_model_among(live, request)
 
-    def submit(self, request: GenerationRequest) -> tuple[str, str]:
-        """(the model it runs on, the job id): one thread hop for both, since each hop costs time to first token."""
-        return self.served_model(request), self.client.submit(request)
+    def submit(self, request: GenerationRequest, state=None) -> tuple[str, str]:
+        """(the model it runs on, the job id): one thread hop for both, since each hop costs time to first token.
+        `state`: the HTTP request's (its tenant), for its tenant's limits."""
+        model = self.served_model(request)
+        return model, self.enqueue(request, state)
+
+    def enqueue(self, request: GenerationRequest, state=None, *, client: Client | None = None,
+                job_id: str | None = None) -> str:
+        """Enqueue the request's job once its tenant's limits admit it (RateLimited, a 429, otherwise); the admission
+        is kept on the HTTP request's `state`."""
+        admitted = None if state is None else self.admission.admit(getattr(state, "tenant", None), request)
+        if admitted is not None:
+            setattr(state, ADMISSION_FIELD, admitted)
+        try:
+            return (client or self.client).submit(request, job_id=job_id)
+        except Exception:
+            if admitted is not None:
+                admitted.used = 0  # nothing was enqueued: the reservation is given back
+            raise
 
     # ----- following a job (async) -----
-    def events(self, job_id: str):
-        """The job's stream events, up to its end (batcher/gateway/job_streams.py)."""
-        return job_streams.events(self.aconnection, self.client, job_id)
+    async def events(self, job_id: str, state=None):
+        """The job's stream events, up to its end (batcher/gateway/job_streams.py); the usage its end reports is noted
+        on the HTTP request's `state`."""
+        async with aclosing(job_streams.events(self.aconnection, self.client, job_id)) as events:
+            async for event in events:
+                if event.type == "done" and state is not None:
+                    note_usage(state, event.usage)
+                yield event
 
     async def cancel(self, job_id: str, client: Client | None = None) -> None:
         """Cancel a job whose client went away; shielded, since that is when the caller is being cancelled."""
@@ -127,8 +155,11 @@ class JobService:
         if end.type == "error":
             raise ApiError(400, end.error or "the request failed", code=FAILED_CODE)
         if end.result is not None and end.finish_reason != "cancelled":
-            return end.result
-        return await self.stored_result(job_id, client)
+            result = end.result
+        else:
+            result = await self.stored_result(job_id, client)
+        note_usage(request.state, result.usage)
+        return result
 
     async def stored_result(self, job_id: str, client: Client | None = None) -> GenerationResult:
         """The job's recorded result, for an end whose event does not carry it (a lost or inferred stream end)."""
@@ -149,11 +180,10 @@ def served_model_among(live: list[WorkerStats], request: GenerationRequest) -> s
         model = request.model
     else:
         offered = f"the models served now: {', '.join(served)}" if served else "no worker is serving any model now"
-        name = "any model" if request.model is None else f"the model `{request.model}`"
+        name = "any model" if request.model is None else f"the model `{short_name(request.model)}`"
         raise ApiError(404, f"No live worker serves {name} ({offered}).", param="model", code="model_not_found")
-    if request.sampling.logit_bias:
-        sizes = [w.vocab_size for w in live if w.model == model or not model]
-        problem = next(filter(None, (logit_bias_problem(request.sampling, size) for size in sizes)), None)
-        if problem is not None:
-            raise ApiError(400, problem, param="logit_bias")
+    sizes = sorted({w.vocab_size for w in live if w.model == model or not model})
+    problem = next(filter(None, (token_ids_problem(request, size) for size in sizes)), None)
+    if problem is not None:
+        raise ApiError(400, problem[1], param=problem[0])
     return model

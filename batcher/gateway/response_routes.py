@@ -24,10 +24,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from rqbatcher.client import Client, JobNotFound
+from rqbatcher.errors import quoted, shortened
 from rqbatcher.gateway.body import read_json
 from rqbatcher.gateway.completions import EventStreamResponse
 from rqbatcher.gateway.error_objects import ApiError
 from rqbatcher.gateway.job_service import RESULT_WAIT_S
+from rqbatcher.gateway.numbers import number_of
 from rqbatcher.gateway.response_events import ResponseEvents, sse
 from rqbatcher.gateway.response_records import (
     DEFAULT_RESPONSE_RETENTION_S,
@@ -42,6 +44,7 @@ from rqbatcher.openai.responses.responses_body import (
     echo_fields,
     finished_status,
     parse_responses_body,
+    previous_response_of,
     response_object,
 )
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
@@ -67,19 +70,21 @@ def _records(request: Request) -> ResponseRecords:
 
 
 async def _record(request: Request, response_id: str, param: str | None = None) -> ResponseRecord:
+    """The tenant's stored response; 404 otherwise, naming the body field `param` that gave its id, if one did."""
     try:
         return await run_in_threadpool(_records(request).get, response_id, request.state.tenant)
     except ResponseNotFound as exc:
-        raise ApiError(404, str(exc), param=param, code="not_found") from None
+        message = shortened(str(exc), response_id)
+        raise ApiError(404, message if param is None else f"{param}: {message}", param=param,
+                       code="not_found") from None
 
 
 # ----- POST /v1/responses -----
 async def create_response(request: Request):
     body = await read_json(request, request.app.state.config.max_request_bytes)
-    conversation = []
-    if body.get("previous_response_id") is not None:
-        conversation = await _conversation_after(request, body["previous_response_id"])
     try:
+        previous = previous_response_of(body)
+        conversation = [] if previous is None else await _conversation_after(request, previous)
         generation = parse_responses_body(body, conversation=conversation)
     except BodyError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
@@ -114,7 +119,7 @@ def _start(request: Request, generation: GenerationRequest, job_id: str, body: d
     if echo["store"]:
         records.save(record)
     try:
-        client.submit(generation, job_id=job_id)
+        request.app.state.jobs.enqueue(generation, request.state, client=client, job_id=job_id)  # 429 past limits
     except Exception:
         if echo["store"]:
             records.delete(record.id, record.tenant)
@@ -157,7 +162,7 @@ async def _events(request: Request, generation: GenerationRequest, render: dict,
         for event in builder.opening():
             if event["sequence_number"] > after:
                 yield sse(event)
-        async with aclosing(app.state.jobs.events(job_id)) as job_events:
+        async with aclosing(app.state.jobs.events(job_id, request.state)) as job_events:
             async for job_event in job_events:
                 for event in builder.feed(job_event):
                     if event["sequence_number"] > after:
@@ -178,10 +183,10 @@ def _render(record: ResponseRecord) -> dict:
 async def retrieve_response(request: Request):
     record = await _record(request, request.path_params["response_id"])
     if request.query_params.get("stream", "false").lower() == "true":
-        after = request.query_params.get("starting_after", "-1")
-        if not after.lstrip("-").isdigit():
+        after = number_of(request.query_params.get("starting_after", "-1"))
+        if after is None:
             raise ApiError(400, "starting_after is a sequence number", param="starting_after")
-        return EventStreamResponse(_events(request, record.request, _render(record), int(after), cancels=False))
+        return EventStreamResponse(_events(request, record.request, _render(record), after, cancels=False))
     status, result, error = await run_in_threadpool(_job_state, _client(request), record.job_id)
     return JSONResponse(response_object(record.request, result, status=status, error=error, **_render(record)))
 
@@ -220,14 +225,14 @@ async def list_input_items(request: Request):
     order, after, limit = params.get("order", "desc"), params.get("after"), params.get("limit")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order is asc or desc", param="order")
-    limit = DEFAULT_LIST_LIMIT if limit is None else int(limit) if limit.isdigit() else 0
-    if not 1 <= limit <= MAX_LIST_LIMIT:
+    limit = DEFAULT_LIST_LIMIT if limit is None else number_of(limit)
+    if limit is None or not 1 <= limit <= MAX_LIST_LIMIT:
         raise ApiError(400, f"limit is 1 to {MAX_LIST_LIMIT}", param="limit")
     items = record.input_items if order == "asc" else record.input_items[::-1]
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
-            raise ApiError(400, f"No input item {after!r} in response {record.id}.", param="after")
+            raise ApiError(400, f"No input item {quoted(after)} in response {record.id}.", param="after")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
     return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

@@ -305,3 +305,25 @@ def response_key(response_id: str) -> str:
     """String: one stored response as JSON (its tenant, request, input items and conversation); the response's
     output is its job's result (`resp_<job id>`), kept as long (batcher/gateway/response_records.py)."""
     return RESPONSE_PREFIX + check_response_id(response_id)
+
+
+# ----- the gateway's per-tenant limits (batcher/gateway/tenant_limits.py, tenant_admission.py) -----
+TENANT_LIMITS = "batcher:tenant-limits"  # hash: tenant -> its limits as JSON, published by each gateway at its start
+TENANT_STATE_PREFIX = "batcher:tenant:"
+
+
+def tenant_buckets_key(tenant: str) -> str:
+    """Hash: a tenant's request and token buckets (their levels and when they were last filled); it expires once
+    both buckets would be full again, since a missing hash reads as full buckets."""
+    return f"{TENANT_STATE_PREFIX}{check_owner(tenant)}:buckets"
+
+
+def tenant_slots_key(tenant: str) -> str:
+    """Sorted set: a tenant's requests in flight (`batcher serve` request ids) by the deadline of their lease."""
+    return f"{TENANT_STATE_PREFIX}{check_owner(tenant)}:slots"
+
+
+def tenant_batch_reservations_key(tenant: str) -> str:
+    """Sorted set: a tenant's batches being created (`<id>:<lines>`) by the deadline of their lease: lines that count
+    against its queued batch lines until they are in their queues."""
+    return f"{TENANT_STATE_PREFIX}{check_owner(tenant)}:batch-reservations"

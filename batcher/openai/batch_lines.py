@@ -18,7 +18,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from rqbatcher.constraints import InvalidConstraint
-from rqbatcher.errors import readable
+from rqbatcher.errors import names, quoted, readable, short_name
+from rqbatcher.openai.body_fields import GENERATION_KINDS, refusal
 from rqbatcher.openai.logprob_objects import LogprobsError, chat_logprobs, completion_logprobs, requested
 from rqbatcher.openai.service_tiers import SERVICE_TIERS
 from rqbatcher.schema import Choice, GenerationRequest, GenerationResult, Usage
@@ -41,7 +42,7 @@ IGNORED_BODY_FIELDS = ("stream", "safety_identifier", "prompt_cache_key", "promp
 # Refused with the reason: ignoring them would mislead (the answer would lack what was asked for)
 REFUSED_BODY_FIELDS = {
     "audio": "audio output is not available: the models batcher serves write text",
-    "web_search_options": "web search is not available: batcher runs the model alone",
+    "web_search_options": "web_search_options: web search is not available, batcher runs the model alone",
     "suffix": "suffix (fill in the middle) is not available: the answer only continues the prompt",
     "functions": "functions is deprecated: give tools instead",
     "function_call": "function_call is deprecated: give tool_choice instead",
@@ -53,6 +54,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 DROPPED_MESSAGE_FIELDS = ("name", "annotations", "refusal", "audio")  # a participant's name, and what a client
 # copies back from an answer: no template of ours reads them
 GENERATION_ENDPOINTS = (COMPLETIONS_URL, CHAT_URL)
+SCHEMA_NAMES = {"prompt_token_ids": "prompt"}  # the request's fields the body names otherwise
 COMPLETION_ID_PREFIX = "cmpl-"  # a response's id is the prefix and the job id
 CHAT_ID_PREFIX = "chatcmpl-"
 # batcher's finish reasons that OpenAI names otherwise; `cancelled` never reaches a response (a cancelled
@@ -66,7 +68,8 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     BodyError with a readable reason (and the field at fault, where there is one).
 
     `extra_fields` are fields the caller reads itself (the gateway's `stream`); any other field that
-    is not ours to honour is refused rather than silently ignored."""
+    is not ours to honour is refused rather than silently ignored. No value is coerced to another type, and the
+    ranges are OpenAI's (body_fields.py)."""
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
     chat = url == CHAT_URL
@@ -74,15 +77,19 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
                                                                                                *COMPLETION_FIELDS)
     known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *endpoint_fields,
              "prompt", "messages", "model", "max_completion_tokens", "service_tier", "metadata", "user"}
-    unknown = set(body) - known - REFUSED_BODY_FIELDS.keys()
-    if unknown:
-        raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    unknown_fields(body, known | REFUSED_BODY_FIELDS.keys())
     body = {k: v for k, v in body.items() if v is not None}  # null means the default, for every field
     if body.get("tools") == []:  # no tools, as some clients say it (vLLM reads it so too)
         del body["tools"]
     refused = sorted(set(body) & REFUSED_BODY_FIELDS.keys())
     if refused:
         raise BodyError(REFUSED_BODY_FIELDS[refused[0]], param=refused[0])
+    required = "messages" if chat else "prompt"
+    if required not in body:
+        raise BodyError(f"{required} is required", param=required)
+    bad = refusal(body, GENERATION_KINDS)
+    if bad is not None:
+        raise BodyError(*bad)
     if chat and body.get("modalities", ["text"]) != ["text"]:
         raise BodyError("modalities is [\"text\"]: the models batcher serves write text", param="modalities")
     if body.get("echo") and "logprobs" in body:
@@ -113,24 +120,35 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
             request["prompt_token_ids"] = prompt
         else:
             request["prompt"] = prompt
-    return validated(request, _body_param)
+    return validated(request, _client_names(body))
+
+
+def unknown_fields(body: dict, known: set[str]) -> None:
+    """BodyError naming the body's first field outside `known`, if it has one."""
+    unknown = set(body) - known
+    if unknown:
+        raise BodyError(f"unsupported body fields: {names(unknown)}", param=short_name(min(unknown)))
 
 
 def service_class_of(tier: Any) -> str:
     """batcher's service class for OpenAI's `service_tier` (BodyError naming it for another tier)."""
-    if tier not in SERVICE_TIERS:
-        raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {tier!r}", param="service_tier")
+    if not isinstance(tier, str) or tier not in SERVICE_TIERS:
+        raise BodyError(f"service_tier is one of {', '.join(SERVICE_TIERS)}; got {quoted(tier)}",
+                        param="service_tier")
     return SERVICE_TIERS[tier]
 
 
-def validated(request: dict, param_of: Callable[[tuple], str | None]) -> GenerationRequest:
-    """The job of a body read into `request`; BodyError with pydantic's reason and the body field at fault
-    (`param_of` maps an error's location to it). The tools' grammar is checked whole: each schema was alone."""
+def validated(request: dict, where: Callable[[tuple], str], whole: str | None = None) -> GenerationRequest:
+    """The job of a body read into `request`; BodyError with pydantic's reason, each problem named as the body names
+    its field (`where` maps an error's location to that name: `max_completion_tokens`, `prompt.3`), and the field
+    at fault as its param (`whole` for a fault of the request as a whole). The tools' grammar is checked whole:
+    each schema was alone."""
     try:
         generation = GenerationRequest.model_validate(request)
     except ValidationError as exc:
         loc = exc.errors()[0]["loc"] if exc.errors() else ()
-        raise BodyError(readable(exc), param=param_of(loc)) from None
+        param = where(loc).split(".")[0] if loc else whole
+        raise BodyError(readable(exc, where), param=param or whole) from None
     if generation.calls_tools:
         try:
             generation.grammar()
@@ -162,7 +180,7 @@ def parse_batch_line(line: str, endpoint: str | None = None,
     if obj.get("method", "POST") != "POST":
         raise BatchLineError(custom_id, "method must be POST")
     if url not in urls:
-        raise BatchLineError(custom_id, f"url must be one of {', '.join(urls)}, got {url!r}")
+        raise BatchLineError(custom_id, f"url must be one of {', '.join(urls)}, got {quoted(url)}")
     if endpoint is not None and url != endpoint:
         raise BatchLineError(custom_id, f"url must be the batch's endpoint {endpoint}, got {url}")
     try:
@@ -193,7 +211,7 @@ def chat_messages(messages: Any) -> Any:
     for i, message in enumerate(messages):
         if isinstance(message, dict):
             message = {k: v for k, v in message.items() if v is not None and k not in DROPPED_MESSAGE_FIELDS}
-            if message.get("role") in ROLES:
+            if isinstance(message.get("role"), str) and message["role"] in ROLES:
                 message["role"] = ROLES[message["role"]]
             if isinstance(message.get("content"), list):
                 message["content"] = _text_of_parts(message["content"], i)
@@ -209,17 +227,25 @@ def _text_of_parts(parts: list, index: int) -> str:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise BodyError(f"messages[{index}].content: only text parts are read (the model takes text); got a "
-                            f"part of type {kind!r}", param="messages")
+                            f"part of type {quoted(kind)}", param="messages")
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-def _body_param(loc: tuple) -> str | None:
-    """The body field a validation error's location points at (`sampling.max_tokens` is `max_tokens`)."""
-    names = [p for p in loc if isinstance(p, str) and p != "sampling"]
-    if not names:
-        return None
-    return {"prompt_token_ids": "prompt"}.get(names[0], names[0])
+def _client_names(body: dict) -> Callable[[tuple], str]:
+    """How the body names a schema location: its sampling fields by their own names (`max_completion_tokens` where it
+    gave that), and `prompt` for token ids."""
+    def where(loc: tuple) -> str:
+        parts = [str(p) for p in loc]
+        if parts[:1] == ["sampling"]:
+            parts = parts[1:]
+            if parts[:1] == ["max_tokens"] and "max_completion_tokens" in body:
+                parts[0] = "max_completion_tokens"
+        elif parts:
+            parts[0] = SCHEMA_NAMES.get(parts[0], parts[0])
+        return ".".join(parts)
+
+    return where
 
 
 class BodyError(ValueError):

@@ -14,10 +14,8 @@ import sys
 from array import array
 from typing import Any
 
-from pydantic import ValidationError
-
-from rqbatcher.errors import readable
-from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.errors import quoted
+from rqbatcher.openai.batch_lines import BodyError, unknown_fields, validated
 from rqbatcher.schema import MAX_EMBED_INPUTS, GenerationRequest, GenerationResult
 
 EMBEDDINGS_URL = "/v1/embeddings"
@@ -35,24 +33,22 @@ def parse_embeddings_body(body: Any, extra_fields: tuple[str, ...] = ()) -> Gene
     a readable reason and the field at fault. `extra_fields` are fields the caller reads itself."""
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
-    unknown = set(body) - {*EMBEDDINGS_FIELDS, *extra_fields}
-    if unknown:
-        raise BodyError(f"unsupported body fields: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    unknown_fields(body, {*EMBEDDINGS_FIELDS, *extra_fields})
     body = {k: v for k, v in body.items() if v is not None and k not in extra_fields}  # null means the default
     encoding_format_of(body)
     dimensions = body.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
-        raise BodyError(f"dimensions is a positive integer; got {dimensions!r}", param="dimensions")
+        raise BodyError(f"dimensions is a positive integer; got {quoted(dimensions)}", param="dimensions")
     for name in ("model", "user"):
         if name in body and not isinstance(body[name], str):
             raise BodyError(f"{name} is a string", param=name)
     request = {k: body[k] for k in ("model", "dimensions", "user") if k in body}
-    try:
-        return GenerationRequest.model_validate({**request, "embed": embedding_inputs(body.get("input"))})
-    except ValidationError as exc:
-        loc = exc.errors()[0]["loc"] if exc.errors() else ()
-        param = next((p for p in loc if isinstance(p, str) and p != "embed"), "input")
-        raise BodyError(readable(exc), param=param) from None
+    return validated({**request, "embed": embedding_inputs(body.get("input"))}, _body_name, whole="input")
+
+
+def _body_name(loc: tuple) -> str:
+    """How the body names a schema location: its inputs are `input`."""
+    return ".".join("input" if p == "embed" else str(p) for p in loc)
 
 
 def encoding_format_of(body: dict) -> str:
@@ -61,7 +57,7 @@ def encoding_format_of(body: dict) -> str:
     if encoding is None:
         return DEFAULT_ENCODING_FORMAT
     if encoding not in ENCODING_FORMATS:
-        raise BodyError(f"encoding_format is float or base64; got {encoding!r}", param="encoding_format")
+        raise BodyError(f"encoding_format is float or base64; got {quoted(encoding)}", param="encoding_format")
     return encoding
 
 

@@ -25,7 +25,9 @@ ToolChoiceMode = Literal["none", "auto", "required"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Part of a request: unknown fields and values of another type are errors (rqbatcher.schema says why)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class FunctionDefinition(_Strict):

@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from rqbatcher.errors import quoted
 from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.body_fields import VERBOSITIES
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
 from rqbatcher.tools.calls import CALL_ID_PREFIX, read_answer
 from rqbatcher.tools.definitions import NamedToolChoice
@@ -61,7 +63,7 @@ def input_messages(value: Any) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _text(item.get("output"), i)})
         else:
-            raise BodyError(f"input[{i}] is an item of type {kind!r}; batcher reads messages, function_call and "
+            raise BodyError(f"input[{i}] is an item of type {quoted(kind)}; batcher reads messages, function_call and "
                             "function_call_output items", param=INPUT)
     return messages
 
@@ -69,8 +71,8 @@ def input_messages(value: Any) -> list[dict]:
 def _message(item: dict, i: int) -> dict:
     _check_keys(item, MESSAGE_KEYS, i)
     role = item.get("role")
-    if role not in ROLES:
-        raise BodyError(f"input[{i}].role is one of {', '.join(ROLES)}; got {role!r}", param=INPUT)
+    if not isinstance(role, str) or role not in ROLES:
+        raise BodyError(f"input[{i}].role is one of {', '.join(ROLES)}; got {quoted(role)}", param=INPUT)
     return {"role": ROLES[role], "content": _text(item.get("content"), i)}
 
 
@@ -90,7 +92,7 @@ def _text(content: Any, i: int) -> Any:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise BodyError(f"input[{i}].content: only input_text and output_text parts are read (the model takes "
-                            f"text); got a part of type {kind!r}", param=INPUT)
+                            f"text); got a part of type {quoted(kind)}", param=INPUT)
         _check_keys(part, PART_KEYS, i)
         texts.append(part["text"])
     return "\n".join(texts)
@@ -128,7 +130,7 @@ def chat_tools(tools: Any) -> Any:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise BodyError(f"tools[{i}] is of type {kind!r}; batcher runs the model alone, with function tools "
+            raise BodyError(f"tools[{i}] is of type {quoted(kind)}; batcher runs the model alone, with function tools "
                             "only", param="tools")
         unknown = sorted(k for k, v in tool.items() if k not in TOOL_KEYS and v is not None)
         if unknown:
@@ -152,6 +154,9 @@ def chat_response_format(text: Any) -> Any:
     which batcher serves none of, and is ignored."""
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise BodyError("text is an object with format (and verbosity)", param="text")
+    if text.get("verbosity") is not None and text["verbosity"] not in VERBOSITIES:
+        raise BodyError(f"text.verbosity is one of {', '.join(VERBOSITIES)}; got {quoted(text['verbosity'])}",
+                        param="text")
     fmt = text.get("format")
     if fmt is None:
         return None

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rqbatcher.openai.batch_lines import BodyError, openai_metadata, service_class_of, validated
+from rqbatcher.errors import quoted
+from rqbatcher.openai.batch_lines import BodyError, openai_metadata, service_class_of, unknown_fields, validated
+from rqbatcher.openai.body_fields import RESPONSES_KINDS, refusal
 from rqbatcher.openai.responses.response_items import (
     INCOMPLETE_FINISHES,
     chat_response_format,
@@ -44,15 +46,17 @@ IGNORED_FIELDS = ("reasoning", "top_logprobs", "truncation", "prompt_cache_key",
 REFUSED_FIELDS = {
     "conversation": "conversation objects are not available: continue with previous_response_id",
     "prompt": "stored prompt templates are not available: give input and instructions",
-    "context_management": "context compaction is not available",
+    "context_management": "context_management (compaction) is not available",
     "moderation": "moderation is not available: batcher runs the model alone",
     "image": "image settings are not available: the models batcher serves write text",
     "background_options": "background_options are not available",
 }
 REFUSED_INCLUDES = {"message.output_text.logprobs": "logprobs are not returned by /v1/responses"}
-# Where GenerationRequest's validation points, the body field at fault
-PARAM_OF = {"messages": "input", "sampling": "max_output_tokens", "response_format": "text"}
 SAMPLING_PARAMS = {"max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"}
+# The body's name of a field of the request (the messages are the instructions, a previous response's turns and the
+# input, so an index into them is not one into `input`)
+BODY_NAMES = {"messages": "input", "response_format": "text.format",
+              **{ours: theirs for theirs, ours in SAMPLING_PARAMS.items()}}
 
 
 def parse_responses_body(body: Any, extra_fields: tuple[str, ...] = (), *, batch_line: bool = False,
@@ -63,10 +67,7 @@ def parse_responses_body(body: Any, extra_fields: tuple[str, ...] = (), *, batch
     instructions and the input. `batch_line` refuses the fields only an HTTP request can act on."""
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
-    known = {*HONOURED_FIELDS, *SERVER_FIELDS, *IGNORED_FIELDS, *REFUSED_FIELDS, *extra_fields}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise BodyError(f"unsupported body fields: {', '.join(unknown)}", param=unknown[0])
+    unknown_fields(body, {*HONOURED_FIELDS, *SERVER_FIELDS, *IGNORED_FIELDS, *REFUSED_FIELDS, *extra_fields})
     body = {k: v for k, v in body.items() if v is not None}  # null means the default, for every field
     refused = sorted(set(body) & REFUSED_FIELDS.keys())
     if refused:
@@ -76,6 +77,8 @@ def parse_responses_body(body: Any, extra_fields: tuple[str, ...] = (), *, batch
         if server:
             raise BodyError(f"{server[0]} is not available in a batch line", param=server[0])
     _check_flags(body)
+    if "input" not in body and "instructions" not in body and not conversation:
+        raise BodyError("input is required: there is nothing to answer", param="input")
     if body.get("tools") == []:
         del body["tools"]
     messages: list[Any] = [] if body.get("instructions") is None else [{"role": "system",
@@ -97,34 +100,36 @@ def parse_responses_body(body: Any, extra_fields: tuple[str, ...] = (), *, batch
         request["metadata"] = openai_metadata(body["metadata"])
     if "service_tier" in body:
         request["service_class"] = service_class_of(body["service_tier"])
-    return validated(request, _param)
+    return validated(request, _body_name, whole="input")  # the request as a whole: no input, or one too large
+
+
+def previous_response_of(body: dict) -> str | None:
+    """The id of the response the body continues (None: none); BodyError unless it is a string."""
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise BodyError(f"previous_response_id is a string; got {quoted(previous)}", param="previous_response_id")
+    return previous
 
 
 def _check_flags(body: dict) -> None:
-    for name in ("store", "background", "stream", "parallel_tool_calls"):
-        if name in body and not isinstance(body[name], bool):
-            raise BodyError(f"{name} must be true or false", param=name)
+    bad = refusal(body, RESPONSES_KINDS)
+    if bad is not None:
+        raise BodyError(*bad)
     if body.get("background") and body.get("store") is False:
         raise BodyError("a background response is stored: background needs store true", param="background")
-    include = body.get("include", [])
-    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
-        raise BodyError("include is a list of strings", param="include")
-    refused = [i for i in include if i in REFUSED_INCLUDES]
+    refused = [i for i in body.get("include", ()) if i in REFUSED_INCLUDES]
     if refused:
         raise BodyError(f"include {refused[0]}: {REFUSED_INCLUDES[refused[0]]}", param="include")
-    if "instructions" in body and not isinstance(body["instructions"], str):
-        raise BodyError("instructions is a string", param="instructions")
-    if "previous_response_id" in body and not isinstance(body["previous_response_id"], str):
-        raise BodyError("previous_response_id is a string", param="previous_response_id")
 
 
-def _param(loc: tuple) -> str | None:
-    names = [p for p in loc if isinstance(p, str)]
-    if not names:
-        return "input"  # the request as a whole: no input, or one too large
-    if names[0] == "sampling" and len(names) > 1:
-        return {ours: theirs for theirs, ours in SAMPLING_PARAMS.items()}.get(names[1], names[1])
-    return PARAM_OF.get(names[0], names[0])
+def _body_name(loc: tuple) -> str:
+    """How the body names a schema location: `max_output_tokens` for sampling.max_tokens, `input` for any message,
+    and a function tool's fields flat (`tools.0.name`), as Responses writes them."""
+    parts = [str(p) for p in loc if p not in ("sampling", "function", "json_schema")]
+    if not parts:
+        return ""
+    head = BODY_NAMES.get(parts[0], parts[0])
+    return head if head == "input" else ".".join((head, *parts[1:]))
 
 
 def echo_fields(body: dict) -> dict:
