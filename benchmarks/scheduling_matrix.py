@@ -128,9 +128,13 @@ def in_process_row(name: str, workload: list, setting: str, model: str, dtype: s
 
 def sweep_rates(base: str, s: serving.Settings, directory: Path) -> tuple[float, ...]:
     """The sweep's rates, the same for every setting: `rates` steps up to the rate guidellm's `throughput` profile
-    reaches (as many streams as twice the slots) under the reference setting."""
+    reaches (as many streams as twice the slots) under the reference setting, in requests a second: its output
+    tokens a second over a request's, since on a slow CPU few of its requests finish within its seconds."""
     reached = serving.run_guidellm(base, "throughput", s, directory, "batcher-calibration")
-    per_s = reached["benchmarks"][0]["metrics"]["requests_per_second"]["successful"]["mean"]
+    output = reached["benchmarks"][0]["metrics"]["output_tokens_per_second"]["total"]["mean"]
+    per_s = output / SWEEP_OUTPUT_TOKENS
+    if per_s <= 0:
+        raise click.ClickException(f"the calibration streamed no output token in {s.seconds} s: no sweep to run")
     return tuple(round(per_s * (i + 1) / s.sweep_size, RATE_DIGITS) for i in range(s.sweep_size))
 
 
@@ -202,11 +206,14 @@ def run(workloads: list[str], settings: list[str], model: str, dtype: str, threa
             for setting in settings:
                 click.echo(f"{name}, {setting}", err=True)
                 rows.append(in_process_row(name, workload, setting, str(resolve(model)), dtype, threads))
+                click.echo(json.dumps(rows[-1].as_dict()), err=True)  # kept in the log should a later part fail
         through_gateway, rates = [w for w in THROUGH_GATEWAY if w in workloads], []
         reference_first = sorted(settings, key=lambda s: s != TARGET_OFF)  # the sweep's rates are its
         for setting in reference_first if through_gateway else []:
             click.echo(f"{', '.join(through_gateway)}, {setting}", err=True)
-            rows += gateway_rows(through_gateway, setting, model, dtype, threads, sizes, directory, rates)
+            measured = gateway_rows(through_gateway, setting, model, dtype, threads, sizes, directory, rates)
+            rows += measured
+            click.echo(json.dumps([r.as_dict() for r in measured]), err=True)
     finally:
         stop_all([], directory, keep_logs)
     return {"machine": serving.machine(), "model": model, "dtype": dtype, "threads": threads, "slots": SLOTS,

@@ -109,6 +109,27 @@ def test_a_long_interactive_prompt_among_interactive_decodes_runs_as_with_the_ta
     assert ttft == pytest.approx(unchunked) and chunks == full_chunks, "its TTFT does not grow for others' ITL"
 
 
+
+def interactive_schedule(target) -> list[dict[str, int]]:
+    """Every step's plan (request id: tokens) of an interactive-only load: prompts of 3 to 2,500 tokens from three
+    tenants, arriving while others decode, on the fake clock."""
+    sched = trained(make(num_blocks=6000, max_num_seqs=16, max_num_batched_tokens=512, step_time_target=target))
+    device = FakeDevice(sched)
+    arrivals = [tenant_seq(f"r{i}", "abc"[i % 3], prompt_len=(3, 700, 2500, 120)[i % 4], max_tokens=20 + i % 7)
+                for i in range(24)]
+    plans = []
+    while arrivals or sched.running or sched.waiting:
+        if arrivals and len(plans) % 3 == 0:
+            sched.add(arrivals.pop(0))
+        plans.append({seq.request_id: n for seq, n in device.step().num_tokens.items()})
+        assert len(plans) < 5000, "the scheduler stopped making progress"
+    return plans
+
+
+@pytest.mark.parametrize("target", [None, 0.03, 0.2], ids=["measured (the default)", "0.03 s", "0.2 s"])
+def test_an_interactive_only_load_is_scheduled_step_for_step_as_with_the_target_off(target):
+    assert interactive_schedule(target) == interactive_schedule(0)
+
 def test_an_interactive_prompt_with_nothing_decoding_takes_the_full_budget():
     sched = trained(make(num_blocks=4000, max_num_seqs=8, max_num_batched_tokens=512, step_time_target=0.03))
     alone = tenant_seq("i0", "x", prompt_len=1000)

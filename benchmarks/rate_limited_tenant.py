@@ -1,7 +1,7 @@
 """What per-tenant limits cost and what they protect (issue 44): the gateway's time to refuse a tenant past its
 limit, and other tenants' time to first token while that tenant floods the gateway, against their time without it.
 
-    python -m benchmarks.tenant_limits --rounds 4 --requests 10 --flood-rps 50
+    python -m benchmarks.rate_limited_tenant --rounds 4 --requests 10 --flood-rps 50
 
 Runs a redis-server of its own (a free loopback port, no persistence), one `batcher serve` process whose keys file
 gives the flooding tenant `requests-per-minute=--flood-limit` (the victims have no limit), and one worker process on
