@@ -72,6 +72,8 @@ B_STREAMS = 3  # tenant B's streams behind the flood, one after another
 IDLE_REQUESTS = 5
 SWEEP_PROMPT_TOKENS, SWEEP_OUTPUT_TOKENS = 128, 32
 RATE_DIGITS = 3
+CALIBRATION_S = 30.0  # the throughput profile's run: long enough to pass the first prefills of its streams
+MIN_SWEEP_REQUESTS = 4  # requests that arrive at each rate of the sweep, however slow the rate
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def sweep_rates(base: str, s: serving.Settings, directory: Path) -> tuple[float,
     """The sweep's rates, the same for every setting: `rates` steps up to the rate guidellm's `throughput` profile
     reaches (as many streams as twice the slots) under the reference setting, in requests a second: its output
     tokens a second over a request's, since on a slow CPU few of its requests finish within its seconds."""
-    reached = serving.run_guidellm(base, "throughput", s, directory, "batcher-calibration")
+    calibration = replace(s, seconds=max(s.seconds, CALIBRATION_S))
+    reached = serving.run_guidellm(base, "throughput", calibration, directory, "batcher-calibration")
     output = reached["benchmarks"][0]["metrics"]["output_tokens_per_second"]["total"]["mean"]
     per_s = output / SWEEP_OUTPUT_TOKENS
     if per_s <= 0:
@@ -139,6 +142,9 @@ def sweep_rates(base: str, s: serving.Settings, directory: Path) -> tuple[float,
 
 
 def sweep_rows(base: str, setting: str, s: serving.Settings, directory: Path) -> list[Row]:
+    """Each rate's row; a rate runs long enough for MIN_SWEEP_REQUESTS of its requests to arrive (a slow CPU's
+    rates are a fraction of a request a second)."""
+    s = replace(s, seconds=max(s.seconds, MIN_SWEEP_REQUESTS / min(s.rates)))
     levels = serving.report.levels(serving.run_guidellm(base, "constant", s, directory, f"batcher-{setting}"))
     ms = lambda v: None if v is None else v / 1000  # noqa: E731
     return [Row(SWEEP, setting, level.label, tok_s=level.output_tokens_per_s, ttft_p50=ms(level.ttft_p50),
