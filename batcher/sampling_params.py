@@ -33,7 +33,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0, le=MAX_TOKENS_LIMIT, description="0: the prompt alone (echo)")
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1 << 20, description="0 turns top-k off")

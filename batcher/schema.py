@@ -11,13 +11,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rqbatcher import constraints
+from rqbatcher import constraints, reasoning
 from rqbatcher.errors import quoted
 from rqbatcher.response_format import ResponseFormat
-from rqbatcher.sampling_params import SamplingParams
+from rqbatcher.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from rqbatcher.service_class import ServiceClass
 from rqbatcher.tools import definitions as tool_defs
 from rqbatcher.tools.definitions import Tool, ToolCall, ToolChoice
+from rqbatcher.tools.formats import DEFAULT_FORMAT, ToolFormat
 from rqbatcher.tools.grammar import tool_grammar
 
 MAX_PROMPT_BYTES = 1 << 20
@@ -31,6 +32,7 @@ MAX_EMBED_INPUTS = 2048  # OpenAI's limit of inputs in one embeddings request
 RESPONSE_ID_PATTERN = r"^resp_[A-Za-z0-9]{1,64}$"
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout"]
+DEFAULT_TOOL_FORMAT = "batcher"  # the Hermes-style format batcher's grammar writes on a template without tools
 
 
 class _Strict(BaseModel):
@@ -109,6 +111,11 @@ class GenerationRequest(_Strict):
     parallel_tool_calls: bool = True
     user: str | None = Field(None, max_length=MAX_USER_CHARS, description="who the end user is (OpenAI's `user`)")
     echo: bool = Field(False, description="the answer's text begins with the prompt (a text prompt only)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="the prompt's logprobs (vLLM's)")
+    chat_template_kwargs: reasoning.TemplateKwargs = Field(
+        default_factory=dict, max_length=reasoning.MAX_TEMPLATE_KWARGS, description="the chat template's variables")
+    tokenize_only: bool = Field(False, description="generate nothing: answer at once with the prompt as the worker "
+                                                   "renders it (its ids; given ids, their text): /tokenize /detokenize")
     embed: list[str | list[int]] | None = Field(
         None, min_length=1, max_length=MAX_EMBED_INPUTS,
         description="texts or token ids to embed instead of generating: a prefill-only job, one vector each")
@@ -177,11 +184,17 @@ class GenerationRequest(_Strict):
         """Whether the answer may be tool calls (tools given, and tool_choice is not `none`)."""
         return bool(self.tools) and tool_defs.effective_choice(self.tools, self.tool_choice) != "none"
 
-    def grammar(self) -> str | None:
-        """The llguidance grammar the answer must follow, or None when it is free text."""
-        if self.calls_tools:
+    def grammar(self, reasoning_format: str | None = None, tool_format: ToolFormat = DEFAULT_FORMAT) -> str | None:
+        """The llguidance grammar the answer must follow, or None when it is free text; for a model that thinks
+        (`reasoning_format`, batcher/reasoning.py) it starts after the reasoning."""
+        thinks = (self.messages is not None or self.chat) and reasoning.thinking_enabled(self.chat_template_kwargs)
+        return reasoning.after_reasoning(self._answer_grammar(tool_format), reasoning_format if thinks else None,
+                                         self.sampling.max_tokens)
+
+    def _answer_grammar(self, tool_format: ToolFormat) -> str | None:
+        if self.calls_tools:  # calls in the served model's format (batcher/tools/formats.py)
             return tool_grammar(self.tools, tool_defs.effective_choice(self.tools, self.tool_choice),
-                                self.parallel_tool_calls, self._text_schema())
+                                self.parallel_tool_calls, self._text_schema(), tool_format)
         if self.regex is not None:
             return constraints.regex_grammar(self.regex)
         if self.choice is not None:
@@ -244,8 +257,14 @@ class GenerationRequest(_Strict):
             constrained.append("tools")
         if self.echo and self.prompt is None:
             raise ValueError("echo repeats a text prompt: give prompt, not messages or token ids")
+        if self.sampling.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("max_tokens 0 (the prompt alone) goes with echo or prompt_logprobs; else it is at least 1")
         if constrained and self.sampling.ignore_eos:
             raise ValueError(f"ignore_eos cannot go with {constrained[0]}: a constrained answer ends with its grammar")
+        shaping = [n for n in ("embed", "echo", "regex", "choice", "response_format")
+                   if getattr(self, n) not in (None, False)]
+        if self.tokenize_only and (shaping or self.sampling != SamplingParams()):
+            raise ValueError(f"tokenize_only takes no {shaping[0] if shaping else 'sampling'}: it generates nothing")
         return self
 
 
@@ -270,6 +289,7 @@ class Timings(_Tolerant):
 class TopLogprob(_Tolerant):
     token: str
     logprob: float
+    token_id: int | None = None  # given where a reader keys by it (vLLM's prompt_logprobs)
 
 
 class TokenLogprob(_Tolerant):
@@ -283,6 +303,7 @@ class TokenLogprob(_Tolerant):
     token: str
     logprob: float
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
+    rank: int | None = None  # of the token in the distribution, 1 the likeliest (given in prompt_logprobs)
 
 
 class Choice(_Tolerant):
@@ -293,6 +314,16 @@ class Choice(_Tolerant):
     token_ids: list[int]
     finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None
+
+
+class ChatFormat(_Tolerant):
+    """How the served model writes tool calls and marks its reasoning, found by the worker from its chat template
+    and tokenizer (workers/engine/chat_format.py), so every reader (the gateway, batch lines) reads an answer as the
+    model wrote it. It rides on a job's `start` event and on its result."""
+
+    tools: str = Field(DEFAULT_TOOL_FORMAT, description="the tool-call format's name (batcher/tools/formats.py)")
+    reasoning: str | None = Field(None, description="the reasoning markers' name, None for a model that does not "
+                                                    "think (batcher/reasoning.py)")
 
 
 class GenerationResult(_Tolerant):
@@ -310,6 +341,10 @@ class GenerationResult(_Tolerant):
     choices: list[Choice] | None = Field(None, description="every answer, when the request asked for n > 1")
     embeddings: list[str] | None = Field(None, description="embed: each input's vector in input order, base64 of "
                                                            "little-endian float32 (OpenAI's base64 encoding)")
+    prompt_token_ids: list[int] | None = Field(None, description="the prompt as the worker tokenized it, when the "
+                                                                 "request asked (tokenize jobs, prompt logprobs)")
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(None, description="one per prompt token; the first None")
+    chat_format: ChatFormat | None = Field(None, description="how the model writes calls and reasoning (chat jobs)")
 
 
 StreamEventType = Literal["start", "token", "done", "error", "restart"]
@@ -346,6 +381,8 @@ class StreamEvent(_Tolerant):
     choice: int = Field(0, description="which of the request's n answers a token event belongs to")
     result: GenerationResult | None = Field(None, description="on `done`: the whole result, every choice's finish "
                                                               "reason included, so a reader needs no second read")
+    chat_format: ChatFormat | None = Field(None, description="on `start` of a chat job: how the model writes calls "
+                                                             "and reasoning, so a stream reader parses them")
 
     @property
     def terminal(self) -> bool:

@@ -3,6 +3,8 @@
 Each request generates one token per step: token i of its output is `FIRST_TOKEN + i`, whose text is one letter.
 With `embeds`, it serves embedding requests too, all in their first step: each input's vector (`letter_vector`) has
 EMBEDDING_SIZE numbers derived from the input alone, and any shorter `dimensions` (a Matryoshka model's).
+A tokenize_only request is answered by the next step, without a slot, as the real engine answers it: its tokens are its
+prompt's characters (`letter_prompt_ids`).
 The test suite's fake engine builds on it, and `python -m benchmarks.job_rate` measures the worker's jobs per second
 on it (from a checkout: the wheel ships neither).
 """
@@ -12,17 +14,19 @@ from __future__ import annotations
 import base64
 import math
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from rqbatcher.schema import GenerationRequest
+from rqbatcher.schema import ChatFormat, GenerationRequest
 from rqbatcher.workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
 from rqbatcher.workers.scheduler.blocks import PrefixCacheStats
 
 FIRST_TOKEN = 65  # "A"
 EMBEDDING_SIZE = 8
 TASKS_GENERATE, TASKS_BOTH = "generate", "generate,embed"
+LETTER_VOCAB_SIZE = sys.maxunicode + 1  # a token per character
 
 
 def letter_vector(item: str | list[int], dimensions: int | None = None) -> list[float]:
@@ -36,6 +40,18 @@ def letter_vector(item: str | list[int], dimensions: int | None = None) -> list[
 def encode_vector(vector: list[float]) -> str:
     """OpenAI's base64 encoding: little-endian float32."""
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def letter_prompt_ids(request: GenerationRequest) -> list[int]:
+    """A prompt's tokens as this engine reads it: its characters; messages rendered `role: content` a line each, after
+    a line naming the tools, and an `assistant:` line to answer on (a template's generation prompt)."""
+    if request.prompt_token_ids is not None:
+        return list(request.prompt_token_ids)
+    if request.messages is None:
+        return [ord(c) for c in request.prompt]
+    tools = f"tools: {','.join(t.function.name for t in request.tools)}\n" if request.tools else ""
+    lines = "".join(f"{m.role}: {m.content or ''}\n" for m in request.messages)
+    return [ord(c) for c in f"{tools}{lines}assistant:"]
 
 
 @dataclass
@@ -55,13 +71,16 @@ class LetterRequest:
 
 class LetterEngine:
     def __init__(self, max_num_seqs: int = 4, name: str = "letter-model", embeds: bool = False) -> None:
-        self.loaded = SimpleNamespace(name=name)
+        self.chat_format = ChatFormat()  # a completion model's: no tool format of its own, no reasoning
+        self.loaded = SimpleNamespace(name=name, vocab_size=LETTER_VOCAB_SIZE,
+                                      tokenizer=SimpleNamespace(decode=lambda ids: "".join(map(chr, ids))))
         self.embeds = embeds
         self.max_num_seqs = max_num_seqs
         self.step_index = 0
         self.last_step: StepStats | None = None
         self.prefix_cache_stats = PrefixCacheStats()
         self.requests: dict[str, LetterRequest] = {}
+        self.ready: list[RequestOutput] = []  # tokenize_only answers, for the next step
 
     def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None,
             progress: dict[int, Progress] | None = None) -> None:
@@ -73,12 +92,16 @@ class LetterEngine:
         if request.dimensions is not None and request.dimensions > EMBEDDING_SIZE:
             raise RequestError(f"dimensions={request.dimensions} is not available: this model's embeddings can have "
                                f"any length up to {EMBEDDING_SIZE}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if request.tokenize_only:
+            self.ready.append(RequestOutput.tokenized(request_id, request, letter_prompt_ids(request), self.loaded,
+                                                      arrival))
+            return
         prior = (progress or {}).get(0)
-        self.requests[request_id] = LetterRequest(request, time.monotonic() if arrival_time is None else arrival_time,
-                                                  list(prior.token_ids) if prior else [])
+        self.requests[request_id] = LetterRequest(request, arrival, list(prior.token_ids) if prior else [])
 
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.ready)
 
     @property
     def free_slots(self) -> int:
@@ -105,8 +128,9 @@ class LetterEngine:
                            matryoshka_dimensions="any" if self.embeds else "")
 
     def step(self) -> list[RequestOutput]:
-        outputs = [self.advance(request_id, req) for request_id, req in list(self.requests.items())]
-        self.last_step = StepStats(step=self.step_index, num_seqs=len(outputs), num_tokens=len(outputs),
+        advanced = [self.advance(request_id, req) for request_id, req in list(self.requests.items())]
+        outputs, self.ready = self.ready + advanced, []
+        self.last_step = StepStats(step=self.step_index, num_seqs=len(advanced), num_tokens=len(advanced),
                                    num_prefill_tokens=0, num_preempted=0, duration_s=0.0)
         self.step_index += 1
         return outputs

@@ -22,7 +22,7 @@ def test_methods_and_properties_match_the_protocol(impl):
     for name in PROPERTIES:
         assert isinstance(inspect.getattr_static(impl, name), property), (impl.__name__, name)
     members = {n for n in vars(EngineProtocol) if not n.startswith("_")} | set(EngineProtocol.__annotations__)
-    assert members == set(METHODS) | set(PROPERTIES) | {"loaded"}, "a new member: test it"
+    assert members == set(METHODS) | set(PROPERTIES) | {"loaded", "chat_format"}, "a new member: test it"
 
 
 def test_instances_satisfy_the_protocol(tiny_model_dir):

@@ -61,8 +61,13 @@ def gateway(fake_redis):
 @pytest.fixture(name="worker")
 def worker_fixture(fake_redis, keep_signal_handlers):
     """A worker serving MODEL on the default queue, with a fake engine, in a thread."""
-    running = JobWorker(keys.priority_queue_names([keys.DEFAULT_QUEUE], model=MODEL), FakeEngine(),
-                          connection=fake_redis, model_name=MODEL, lease_s=1)
+    yield from worker_serving(fake_redis, FakeEngine())
+
+
+def worker_serving(fake_redis, engine):
+    """A worker serving MODEL on the default queue with `engine`, in a thread, while the generator is suspended."""
+    running = JobWorker(keys.priority_queue_names([keys.DEFAULT_QUEUE], model=MODEL), engine,
+                        connection=fake_redis, model_name=MODEL, lease_s=1)
     thread = threading.Thread(target=running.work, daemon=True)
     thread.start()
     wait_for(lambda: fake_redis.exists(keys.worker_stats_key(running.name)), 10, "the worker's stats")

@@ -26,7 +26,8 @@ SEQUENCE_WRITERS = ("rqbatcher.workers.scheduler.scheduler", "rqbatcher.workers.
 # The loose core modules (and tools/): the vocabulary every folder may import, importing nothing above it
 BASE = "base"
 BASE_MODULES = {"rqbatcher", "schema", "sampling_params", "service_class", "errors", "config", "constraints",
-                "logit_bias", "response_format", "tools", "data"}  # data: the bundled sample requests, no code
+                "logit_bias", "response_format", "reasoning", "tools",
+                "data"}  # data: the bundled sample requests, no code
 # DESIGN.md section 2, one way only: cli -> gateway -> client -> batches/webhooks -> jobs -> schema; openai -> schema;
 # workers.job_worker -> workers.engine (its api only); workers.engine -> workers.scheduler, workers.model -> kernels.
 # Each folder of rqbatcher and rqbatcher.workers (a loose module counts as its own) and the folders it may import
@@ -35,12 +36,14 @@ BASE_MODULES = {"rqbatcher", "schema", "sampling_params", "service_class", "erro
 MAY_IMPORT = {
     "__main__": {"cli"},
     "cli": {"gateway", "client", "batches", "webhooks", "jobs", "openai", "workers.entrypoints"},
-    "gateway": {"client", "batches", "webhooks", "jobs", "openai"},  # stored responses are kept by the gateway
+    # stored responses are kept by the gateway; anthropic_messages is Anthropic's wire format, as openai is OpenAI's
+    "gateway": {"client", "batches", "webhooks", "jobs", "openai", "anthropic_messages"},
     "client": {"batches", "webhooks", "jobs"},
     "batches": {"webhooks", "jobs", "openai"},  # a batch's lines are OpenAI's batch format
     "webhooks": {"jobs"},
     "jobs": set(),
     "openai": set(),
+    "anthropic_messages": set(),
     "workers": set(),
     "workers.entrypoints": {"client", "jobs", "workers.bench", "workers.demo", "workers.embedded_redis",
                             "workers.engine", "workers.job_worker", "workers.offline"},

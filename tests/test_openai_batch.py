@@ -43,7 +43,7 @@ def test_content_parts_and_the_developer_role_read_as_text_and_system():
 
 
 def test_fields_that_mean_nothing_here_are_accepted_and_ignored():
-    ignored = {"safety_identifier": "s", "prompt_cache_key": "k", "store": True, "reasoning_effort": "low",
+    ignored = {"safety_identifier": "s", "prompt_cache_key": "k", "store": True,
                "verbosity": "low", "prediction": {"type": "content", "content": "x"}, "modalities": ["text"]}
     _, req = parse_batch_line(line({"messages": [{"role": "user", "content": "x"}], **ignored}, url=CHAT))
     assert req == parse_batch_line(line({"messages": [{"role": "user", "content": "x"}]}, url=CHAT))[1]
@@ -65,7 +65,8 @@ def test_openai_sampling_fields_metadata_and_user_are_kept_for_the_worker():
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # the prompt alone goes with echo or prompt_logprobs
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"prompt": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),

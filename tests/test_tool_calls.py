@@ -83,18 +83,20 @@ def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
 
-def answer_of(out, request) -> dict:
+def answer_of(out, request, chat_format=None) -> dict:
     result = GenerationResult(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-                              usage=Usage(prompt_tokens=1, completion_tokens=len(out.token_ids)))
+                              usage=Usage(prompt_tokens=1, completion_tokens=len(out.token_ids)),
+                              chat_format=chat_format)
     return response_body(result, CHAT_URL, request_id="job-1", request=request)["choices"][0]
 
 
 def answers(engine, requests: dict[str, GenerationRequest]) -> dict[str, dict]:
-    """Each request run to its end on `engine`, answered as the chat endpoint answers it."""
+    """Each request run to its end on `engine`, answered as the chat endpoint answers it (in the engine's format)."""
     for request_id, request in requests.items():
         engine.add(request_id, request)
     finals = run_all(engine)
-    return {request_id: answer_of(finals[request_id], request) for request_id, request in requests.items()}
+    return {request_id: answer_of(finals[request_id], request, engine.chat_format)
+            for request_id, request in requests.items()}
 
 
 def assert_calls_validate(choice: dict, tools: list[dict]) -> list[dict]:

@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 from rqbatcher.openai.batch_endpoints import output_line, parse_line
 from rqbatcher.openai.batch_lines import BatchLineError, error_line
 from rqbatcher.schema import BatchItem, GenerationRequest, Timings
+from rqbatcher.tools.calls import answer_format
 from rqbatcher.workers.engine.api import RequestError
 from rqbatcher.workers.engine.engine import Engine
 
@@ -48,7 +49,8 @@ def run_batch(engine: Engine, lines: Iterable[str], on_done: Callable[[], None] 
             if out.error:
                 results[index] = error_line(custom_id, out.error, code="generation_failed")
             else:
-                result = out.to_result(Timings(total_s=time.monotonic() - started), model=engine.loaded.name)
+                result = out.to_result(Timings(total_s=time.monotonic() - started), model=engine.loaded.name,
+                                       chat_format=answer_format(request, engine.chat_format))
                 results[index] = output_line(custom_id, result, request, job_id=out.request_id,
                                              created=int(time.time()))
             on_done()

@@ -48,6 +48,8 @@ def serve(host, port, redis_url, queue, api_keys_file, max_file_bytes, max_file_
       POST /v1/responses; GET, DELETE /v1/responses/{id}; POST /v1/responses/{id}/cancel;
            GET /v1/responses/{id}/input_items
       POST /v1/embeddings
+      POST /v1/messages, /v1/messages/count_tokens   (Anthropic's Messages API)
+      POST /tokenize, /detokenize   (vLLM's; also /v1/tokenize, /v1/detokenize)
       POST, GET /v1/files; GET, DELETE /v1/files/{id}; GET /v1/files/{id}/content
       POST, GET /v1/batches; GET /v1/batches/{id}; POST /v1/batches/{id}/cancel
       GET /v1/models, /v1/models/{model}

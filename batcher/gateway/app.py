@@ -25,7 +25,15 @@ from starlette.routing import Route
 
 from rqbatcher.batches.file_store import FileLimits, FileStore
 from rqbatcher.client import DEFAULT_MAX_QUEUE_LENGTH, Client
-from rqbatcher.gateway import batch_routes, completions, embedding_routes, file_routes, response_routes
+from rqbatcher.gateway import (
+    batch_routes,
+    completions,
+    embedding_routes,
+    file_routes,
+    message_routes,
+    response_routes,
+    tokenize_routes,
+)
 from rqbatcher.gateway.auth import ApiKeys, AuthMiddleware
 from rqbatcher.gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from rqbatcher.gateway.error_objects import EXCEPTION_HANDLERS, SERVER_ERROR, ApiError
@@ -88,11 +96,17 @@ ROUTES = [
     Route("/v1/completions", completions.completions, methods=["POST"]),
     Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
     Route("/v1/embeddings", embedding_routes.create_embeddings, methods=["POST"]),
+    Route("/v1/messages", message_routes.create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", message_routes.count_tokens, methods=["POST"]),
     Route("/v1/responses", response_routes.create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", response_routes.retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", response_routes.delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/cancel", response_routes.cancel_response, methods=["POST"]),
     Route("/v1/responses/{response_id}/input_items", response_routes.list_input_items, methods=["GET"]),
+    Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
+    Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
+    Route("/v1/tokenize", tokenize_routes.tokenize, methods=["POST"]),
+    Route("/v1/detokenize", tokenize_routes.detokenize, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/health", health, methods=["GET"]),

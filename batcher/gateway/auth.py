@@ -29,6 +29,7 @@ from rqbatcher.gateway.tenant_limits import LIMIT_OPTIONS, Limits, parse_limit_o
 TENANT_PREFIX = "key-"
 TENANT_HASH_CHARS = 16
 PROTECTED_PREFIX = "/v1/"  # /health and /metrics stay open for probes and Prometheus
+PROTECTED_ROOT_PATHS = ("/tokenize", "/detokenize")  # vLLM's, outside /v1/: jobs, run for a tenant as any
 
 
 class UnsafeBind(BatcherError):
@@ -105,26 +106,30 @@ class AuthMiddleware:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] == "http" and (scope["path"].startswith(PROTECTED_PREFIX)
+                                        or scope["path"] in PROTECTED_ROOT_PATHS):
             tenant = None
             if self.keys:
-                presented = _bearer(scope)
+                presented = _presented_key(scope)
                 if presented is None:
-                    error = ApiError(401, "You didn't provide an API key: send it as `Authorization: Bearer KEY`.",
-                                     code="missing_api_key")
+                    error = ApiError(401, "You didn't provide an API key: send it as `Authorization: Bearer KEY` "
+                                     "(or `x-api-key: KEY`).", code="missing_api_key")
                 else:
                     tenant = self.keys.tenant(presented)
                     error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
                 if tenant is None:
-                    await error.response()(scope, receive, send)
+                    await error.response(scope["path"])(scope, receive, send)
                     return
             scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
-def _bearer(scope: Scope) -> str | None:
+def _presented_key(scope: Scope) -> str | None:
+    """The key sent as `Authorization: Bearer KEY` (OpenAI's SDKs), or else as `x-api-key: KEY` (Anthropic's)."""
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-    return None
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            break
+    return next((v.decode("latin-1").strip() for n, v in scope["headers"] if n == b"x-api-key" and v.strip()), None)

@@ -45,9 +45,10 @@ from rqbatcher.openai.batch_lines import (
     response_body,
     usage_body,
 )
-from rqbatcher.openai.logprob_objects import chat_logprobs, completion_logprobs
+from rqbatcher.openai.logprob_objects import chat_logprobs, completion_logprobs, echoed_logprobs
 from rqbatcher.openai.service_tiers import TIER_OF_CLASS
-from rqbatcher.schema import GenerationRequest, StreamEvent, TokenLogprob, Usage
+from rqbatcher.reasoning import ReasoningSplitter, thinking_enabled
+from rqbatcher.schema import ChatFormat, GenerationRequest, StreamEvent, TokenLogprob, Usage
 from rqbatcher.service_class import class_of
 from rqbatcher.tools.calls import CallDelta, CallReader
 
@@ -76,6 +77,8 @@ async def _complete(request: Request, url: str):
     if stream and (generation.sampling.best_of or 1) > generation.sampling.n:
         raise ApiError(400, "best_of above n cannot be streamed: the best answers are known only at the end",
                        param="best_of")
+    if stream and "prompt_logprobs" in body:  # (echo with logprobs streams the prompt's, in the legacy object)
+        raise ApiError(400, "prompt_logprobs is not streamed: ask without stream", param="prompt_logprobs")
     if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
         generation = generation.model_copy(update={"tenant": request.state.tenant})
     tier = TIER_OF_CLASS[class_of(generation)]  # echoed, as OpenAI does
@@ -113,16 +116,22 @@ def _usage_options(options, stream: bool) -> UsageOptions:
 
 # ----- streaming -----
 class Chunks:
-    """Server-sent events in OpenAI's chunk format (chat.completion.chunk, or text_completion). A chat answer to a
-    request with tools is read for calls (batcher/tools/calls.py) and sent as `tool_calls` deltas; a completion
-    that echoes its prompt sends the prompt first."""
+    """Server-sent events in OpenAI's chunk format (chat.completion.chunk, or text_completion). A chat answer's
+    reasoning is split off first (batcher/reasoning.py, once the `start` event names the model's format: `read_as`)
+    and sent as `reasoning_content` and `reasoning` deltas; the rest of an answer to a request with tools is read for
+    calls (batcher/tools/calls.py) and sent as `tool_calls` deltas; a completion that echoes its prompt sends the
+    prompt first."""
 
     def __init__(self, url: str, job_id: str, created: int, model: str, usage: UsageOptions, tier: str,
                  request: GenerationRequest) -> None:
         n = request.sampling.n
         self.chat = url == CHAT_URL
         self.readers = [CallReader(job_id, i, request.calls_tools) for i in range(n)] if self.chat else None
+        self.thinking = thinking_enabled(request.chat_template_kwargs)
+        self.splitters = [ReasoningSplitter(None) for _ in range(n)]  # until `read_as` names the format
         self.echo = request.prompt if request.echo else None
+        # an echo with logprobs holds its chunks until the end, which brings the prompt's logprobs its first one carries
+        self.held: list[bytes] | None = [] if self.echo is not None and request.sampling.logprobs is not None else None
         self.head = {"id": f"{CHAT_ID_PREFIX if self.chat else COMPLETION_ID_PREFIX}{job_id}",
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": model, "service_tier": tier}
@@ -141,10 +150,21 @@ class Chunks:
             chunk.setdefault("usage", None)
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
+    def read_as(self, chat_format: ChatFormat) -> None:
+        """Read the answers as the model writes them (a chat job's `start` event names its format; a rerun's `start`
+        names the same, and the answers read so far go on)."""
+        for reader in self.readers or ():  # its tool calls too (batcher/tools/formats.py)
+            reader.chat_format = chat_format
+        if self.chat and not any(splitter.format for splitter in self.splitters):
+            self.splitters = [ReasoningSplitter(chat_format.reasoning, self.thinking) for _ in range(self.n)]
+
     def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
-                logprobs: list[TokenLogprob] | None = None, index: int = 0, calls: list[CallDelta] = ()) -> dict:
+                logprobs: list[TokenLogprob] | None = None, index: int = 0, calls: list[CallDelta] = (),
+                reasoning: str = "") -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
+            if reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
             if calls:
                 delta["tool_calls"] = [call.to_dict() for call in calls]
             if role:
@@ -155,11 +175,25 @@ class Chunks:
         self._text_offset[index] += sum(len(lp.token) for lp in logprobs or ())
         return {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
 
+    def _hold(self, chunk: bytes) -> bytes | None:
+        if self.held is None:
+            return chunk
+        self.held.append(chunk)
+        return None
+
+    def release(self, prompt_logprobs: list[TokenLogprob | None] | None) -> list[bytes]:
+        """A held echo's chunks: the prompt with its logprobs first, then the answer's."""
+        logprobs = None if prompt_logprobs is None else echoed_logprobs(self.echo, prompt_logprobs, [])
+        echo = self._event([{"index": i, "text": self.echo, "logprobs": logprobs, "finish_reason": None}
+                            for i in range(self.n)])
+        held, self.held = self.held, None
+        return [echo, *held]
+
     def opening(self) -> bytes | None:
         """The chat stream's first chunk names the role, as OpenAI's does; a completion stream has none, unless it
         echoes its prompt."""
         if not self.chat:
-            if self.echo is None:
+            if self.echo is None or self.held is not None:
                 return None
             return self._event([self._choice(self.echo, None, index=i) for i in range(self.n)])
         return self._event([self._choice(None, None, role=True, index=i) for i in range(self.n)])
@@ -167,11 +201,13 @@ class Chunks:
     def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> bytes | None:
         """A chunk of new text (None while a chat answer's first characters may still open a tool call)."""
         if self.readers is None:
-            return self._event([self._choice(delta, None, logprobs=logprobs, index=index)])
-        content, calls = self.readers[index].feed(delta)
-        if not content and not calls and not logprobs:
+            return self._hold(self._event([self._choice(delta, None, logprobs=logprobs, index=index)]))
+        reasoning, delta = self.splitters[index].feed(delta)
+        content, calls = self.readers[index].feed(delta) if delta else ("", [])
+        if not reasoning and not content and not calls and not logprobs:
             return None
-        return self._event([self._choice(content or None, None, logprobs=logprobs, index=index, calls=calls)])
+        return self._event([self._choice(content or None, None, logprobs=logprobs, index=index, calls=calls,
+                                         reasoning=reasoning)])
 
     def finish(self, reasons: list[str]) -> list[bytes]:
         """What a chat answer held back, then the last chunk of each choice with its finish reason (`tool_calls`
@@ -180,9 +216,13 @@ class Chunks:
         for i, reason in enumerate(reasons):
             reason = openai_finish_reason(reason)
             if self.readers is not None:
-                content, calls = self.readers[i].finish()
-                if content or calls:
-                    events.append(self._event([self._choice(content or None, None, index=i, calls=calls)]))
+                reasoning, rest = self.splitters[i].finish()
+                content, calls = self.readers[i].feed(rest) if rest else ("", [])
+                more, more_calls = self.readers[i].finish()
+                content, calls = content + more, calls + more_calls
+                if reasoning or content or calls:
+                    events.append(self._event([self._choice(content or None, None, index=i, calls=calls,
+                                                            reasoning=reasoning)]))
                 if self.readers[i].made_calls and reason == "stop":
                     reason = TOOL_CALLS_FINISH
             shaped.append(self._choice(None, reason, index=i))
@@ -207,7 +247,9 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
         if opening is not None:
             yield opening
         async for event in app.state.jobs.events(job_id, request.state):
-            if event.type == "restart":
+            if event.type == "start" and event.chat_format is not None:
+                chunks.read_as(event.chat_format)
+            elif event.type == "restart":
                 for relay, logprobs in zip(relays, attempt_logprobs):
                     relay.restart()
                     logprobs.clear()
@@ -231,6 +273,10 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
                 if event.finish_reason == "cancelled":
                     yield error_event(CANCELLED_MESSAGE, "cancelled", SERVER_ERROR)
                 else:
+                    if chunks.held is not None:
+                        result = event.result or await app.state.jobs.stored_result(job_id)
+                        for chunk in chunks.release(result.prompt_logprobs):
+                            yield chunk
                     for chunk in chunks.finish(await _finish_reasons(app.state.jobs, job_id, event, chunks.n)):
                         yield chunk
                     if chunks.usage_options.final:

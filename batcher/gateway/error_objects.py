@@ -5,6 +5,7 @@ tenant's limit is reached (tenant_admission.RateLimited), 503 Redis unreachable.
 with no detail; the traceback goes to the log.
 A message is at most MAX_MESSAGE_CHARS long, and quotes at most a short prefix of what the client sent
 (rqbatcher.errors.quoted); what the URL holds (an id, a model's name, a query's values) is cut so in any message.
+On Anthropic's paths (/v1/messages) the same faults answer Anthropic's error object (rqbatcher.anthropic_messages).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from rqbatcher.anthropic_messages.anthropic_errors import error_object as anthropic_error_object
+from rqbatcher.anthropic_messages.anthropic_errors import speaks_anthropic
 from rqbatcher.batches.batch_object import BatchInputError, BatchNotFound
 from rqbatcher.batches.file_store import FileNotFound, FileTooLarge
 from rqbatcher.client import QueueFull
@@ -45,8 +48,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.code, self.param)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer in the shape of the API `path` belongs to: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        body = anthropic_error_object(self.status, self.message) if speaks_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type: str = INVALID_REQUEST, code: str | None = None, param: str | None = None) -> dict:
@@ -64,7 +69,7 @@ def too_large(message: str, code: str) -> ApiError:
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     exc.message = shortened(exc.message, *_sent_in_url(request))
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 def _sent_in_url(request: Request) -> list[str]:
@@ -75,12 +80,12 @@ def _sent_in_url(request: Request) -> list[str]:
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own faults (no such route, a method the route lacks) in OpenAI's format and words."""
     message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) else exc.detail
-    return ApiError(exc.status_code, message or "", headers=exc.headers).response()
+    return ApiError(exc.status_code, message or "", headers=exc.headers).response(request.url.path)
 
 
 async def _not_found(request: Request, exc: Exception) -> JSONResponse:
     param = next(iter(request.path_params), None)
-    return ApiError(404, shortened(str(exc), *_sent_in_url(request)), param=param).response()
+    return ApiError(404, shortened(str(exc), *_sent_in_url(request)), param=param).response(request.url.path)
 
 
 async def _bad_batch(request: Request, exc: BatchInputError) -> JSONResponse:
@@ -88,27 +93,27 @@ async def _bad_batch(request: Request, exc: BatchInputError) -> JSONResponse:
 
 
 async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
-    return ApiError(429, f"The queue is full; try again later ({exc})", code="queue_full").response()
+    return ApiError(429, f"The queue is full; try again later ({exc})", code="queue_full").response(request.url.path)
 
 
 async def _file_too_large(request: Request, exc: FileTooLarge) -> JSONResponse:
-    return too_large(str(exc), exc.code).response()
+    return too_large(str(exc), exc.code).response(request.url.path)
 
 
 async def _redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
     log.warning("cannot reach Redis: %s", exc)
     return ApiError(503, "The gateway cannot reach Redis; try again later.", type=SERVER_ERROR,
-                    code="redis_unreachable").response()
+                    code="redis_unreachable").response(request.url.path)
 
 
 async def _not_replicated(request: Request, exc: Exception) -> JSONResponse:
     log.warning("%s", exc)
     return ApiError(503, "The request was queued, but no Redis replica confirmed it in time; it may be lost if Redis "
-                    "fails over now.", type=SERVER_ERROR, code="not_replicated").response()
+                    "fails over now.", type=SERVER_ERROR, code="not_replicated").response(request.url.path)
 
 
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(error_body("The gateway failed to handle the request.", SERVER_ERROR), status_code=500)
+    return ApiError(500, "The gateway failed to handle the request.", type=SERVER_ERROR).response(request.url.path)
 
 
 EXCEPTION_HANDLERS = {

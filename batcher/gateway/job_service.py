@@ -20,12 +20,13 @@ import time
 from contextlib import aclosing
 
 import anyio
+from pydantic import ValidationError
 from redis.asyncio import Redis as AsyncRedis
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from rqbatcher.client import Client, JobFailed
-from rqbatcher.errors import short_name
+from rqbatcher.errors import readable, short_name
 from rqbatcher.gateway import job_streams
 from rqbatcher.gateway.error_objects import NO_RETRY, SERVER_ERROR, ApiError
 from rqbatcher.gateway.tenant_admission import ADMISSION_FIELD, TenantAdmission, note_usage
@@ -40,6 +41,7 @@ RESULT_WAIT_S = 30.0  # the result is recorded with the stream's end; this only 
 LIVE_WORKERS_TTL_S = 1.0  # how stale the gateway's view of the live workers may be
 CANCELLED_MESSAGE = "The request was cancelled before it finished."
 FAILED_CODE = "generation_failed"  # a failed job's answer (its reason is the worker's)
+ANSWER_FIELDS = ("sampling", "response_format", "regex", "choice", "echo")  # a request's, that its prompt does not read
 
 
 class JobService:
@@ -161,6 +163,15 @@ class JobService:
         note_usage(request.state, result.usage)
         return result
 
+    async def tokenize(self, request: Request, generation: GenerationRequest) -> GenerationResult:
+        """The prompt of `generation` as a worker of its model renders it, with nothing generated (`tokenize_job`):
+        its ids in the result's `prompt_token_ids` (their count in `usage.prompt_tokens`) and, where it gave token
+        ids, their text in `text`. The job is routed, limited and waited for as any (404 model_not_found, 429, 400
+        with the worker's reason)."""
+        job = tokenize_job(generation, request.state.tenant)
+        _, job_id = await run_in_threadpool(self.submit, job, request.state)
+        return await self.result_when_ended(request, job_id)
+
     async def stored_result(self, job_id: str, client: Client | None = None) -> GenerationResult:
         """The job's recorded result, for an end whose event does not carry it (a lost or inferred stream end)."""
         try:
@@ -169,6 +180,16 @@ class JobService:
             if exc.status == "failed":
                 raise ApiError(400, exc.reason, code=FAILED_CODE) from None
             raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
+
+
+def tokenize_job(generation: GenerationRequest, tenant: str | None) -> GenerationRequest:
+    """The tokenize_only job of `generation`, the tenant's: what shapes only its answer (ANSWER_FIELDS) is dropped,
+    so its prompt is counted as a generation of it would read it."""
+    update = {"tokenize_only": True, **({"tenant": tenant} if tenant is not None else {})}
+    try:
+        return GenerationRequest.model_validate(generation.model_dump(mode="json", exclude=set(ANSWER_FIELDS)) | update)
+    except ValidationError as exc:
+        raise ApiError(400, readable(exc)) from None
 
 
 def served_model_among(live: list[WorkerStats], request: GenerationRequest) -> str:

@@ -8,7 +8,8 @@ tokens a rare `restart` generates again).
 
 Order: response.created, (a background response: response.queued, and response.in_progress once a worker
 starts it) response.in_progress, then per output item output_item.added, its content_part.added and
-output_text.delta events (or function_call_arguments.delta events), their .done events and output_item.done;
+output_text.delta events (or function_call_arguments.delta events, or a reasoning item's reasoning_text.delta
+events: a thinking model's reasoning is the first item), their .done events and output_item.done;
 last response.completed, response.incomplete (cut short by max_output_tokens), or response.failed (a failed job,
 or a cancelled one: its status is `cancelled`).
 """
@@ -24,13 +25,17 @@ from rqbatcher.openai.responses.response_items import (
     call_item_id,
     message_item,
     message_item_id,
+    reasoning_item,
+    reasoning_item_id,
+    reasoning_part,
     text_part,
 )
 from rqbatcher.openai.responses.responses_body import RESPONSE_ID_PREFIX, finished_status, response_object
-from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent, Usage
+from rqbatcher.reasoning import ReasoningSplitter, thinking_enabled
+from rqbatcher.schema import ChatFormat, GenerationRequest, GenerationResult, StreamEvent, Usage
 from rqbatcher.tools.calls import CallDelta, CallReader
 
-OUTPUT_INDEX_OF_TEXT = 0  # an answer is text (one message) or calls, never both
+REASONING_PLACE = {"output_index": 0, "content_index": 0}  # the reasoning item, when there is one, comes first
 
 
 def sse(event: dict) -> bytes:
@@ -49,6 +54,10 @@ class ResponseEvents:
         self._started = False
         self._relay = TextRelay()
         self._reader = CallReader(self.job_id, 0, request.calls_tools)
+        self._chat_format: ChatFormat | None = None  # named by the job's `start`
+        self._splitter = ReasoningSplitter(None)
+        self._reasoning: str | None = None  # the reasoning so far, while its item is open
+        self._first = 0  # the output index of the answer's first item: 1 after a reasoning item
         self._text: str | None = None  # the message's text so far, once its item is open
         self._call: dict | None = None  # the open call: its id, name, arguments and output index
 
@@ -64,6 +73,10 @@ class ResponseEvents:
         if self.ended:
             return []
         if event.type == "start":
+            if event.chat_format is not None and self._chat_format is None:
+                self._chat_format = self._reader.chat_format = event.chat_format
+                self._splitter = ReasoningSplitter(event.chat_format.reasoning,
+                                                   thinking_enabled(self.request.chat_template_kwargs))
             if self._started:
                 return []
             self._started = True
@@ -75,7 +88,8 @@ class ResponseEvents:
             return self._fail("failed", {"code": "server_error", "message": event.error or "the request failed"})
         try:
             if event.type == "token" and event.choice == 0:
-                return self._pieces(*self._reader.feed(self._relay.delta(event)))
+                reasoning, answer = self._splitter.feed(self._relay.delta(event))
+                return self._reasoning_piece(reasoning) + self._answer(answer)
             if event.type == "done":
                 self._relay.check_end()
                 return self._done(event)
@@ -84,8 +98,32 @@ class ResponseEvents:
         return []
 
     # ----- the output items -----
-    def _pieces(self, content: str, calls: list[CallDelta]) -> list[dict]:
+    def _reasoning_piece(self, delta: str) -> list[dict]:
+        if not delta:
+            return []
         events = []
+        if self._reasoning is None:
+            self._reasoning, self._first = "", 1
+            item = {**reasoning_item(self.job_id, "", "in_progress"), "content": []}
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+        self._reasoning += delta
+        return events + [self._event("response.reasoning_text.delta", item_id=reasoning_item_id(self.job_id),
+                                     **REASONING_PLACE, delta=delta)]
+
+    def _close_reasoning(self, status: str) -> list[dict]:
+        if self._reasoning is None:
+            return []
+        text, self._reasoning = self._reasoning, None
+        return [self._event("response.reasoning_text.done", item_id=reasoning_item_id(self.job_id),
+                            **REASONING_PLACE, text=text),
+                self._event("response.output_item.done", output_index=0,
+                            item={**reasoning_item(self.job_id, text, status), "content": [reasoning_part(text)]})]
+
+    def _answer(self, text: str) -> list[dict]:
+        return self._pieces(*self._reader.feed(text)) if text else []
+
+    def _pieces(self, content: str, calls: list[CallDelta]) -> list[dict]:
+        events = self._close_reasoning("completed") if content or calls else []
         if content:
             if self._text is None:
                 events += self._open_message()
@@ -95,8 +133,9 @@ class ResponseEvents:
         for piece in calls:
             if piece.id is not None:
                 events += self._close_call("completed")
-                self._call = {"id": piece.id, "name": piece.name, "arguments": "", "output_index": piece.index}
-                events.append(self._event("response.output_item.added", output_index=piece.index,
+                self._call = {"id": piece.id, "name": piece.name, "arguments": "",
+                              "output_index": self._first + piece.index}
+                events.append(self._event("response.output_item.added", output_index=self._call["output_index"],
                                           item=call_item(piece.id, piece.name, "", "in_progress")))
             if piece.arguments:
                 self._call["arguments"] += piece.arguments
@@ -108,12 +147,11 @@ class ResponseEvents:
     def _open_message(self) -> list[dict]:
         self._text = ""
         item = {**message_item(self.job_id, "", "in_progress"), "content": []}
-        return [self._event("response.output_item.added", output_index=OUTPUT_INDEX_OF_TEXT, item=item),
+        return [self._event("response.output_item.added", output_index=self._first, item=item),
                 self._event("response.content_part.added", **self._text_place(), part=text_part(""))]
 
     def _text_place(self) -> dict:
-        return {"item_id": message_item_id(self.job_id), "output_index": OUTPUT_INDEX_OF_TEXT,
-                "content_index": 0}
+        return {"item_id": message_item_id(self.job_id), "output_index": self._first, "content_index": 0}
 
     def _close_message(self, status: str) -> list[dict]:
         if self._text is None:
@@ -121,7 +159,7 @@ class ResponseEvents:
         text, self._text = self._text, None
         return [self._event("response.output_text.done", **self._text_place(), text=text, logprobs=[]),
                 self._event("response.content_part.done", **self._text_place(), part=text_part(text)),
-                self._event("response.output_item.done", output_index=OUTPUT_INDEX_OF_TEXT,
+                self._event("response.output_item.done", output_index=self._first,
                             item=message_item(self.job_id, text, status))]
 
     def _close_call(self, status: str) -> list[dict]:
@@ -137,14 +175,17 @@ class ResponseEvents:
     def _done(self, event: StreamEvent) -> list[dict]:
         if event.finish_reason == "cancelled":
             return self._fail("cancelled", None)  # its status says why; OpenAI sets no error
-        events = self._pieces(*self._reader.finish())
+        reasoning, answer = self._splitter.finish()
+        events = self._reasoning_piece(reasoning) + self._answer(answer) + self._pieces(*self._reader.finish())
         status = "incomplete" if event.finish_reason in INCOMPLETE_FINISHES else "completed"
+        events += self._close_reasoning(status)  # an answer cut short inside its reasoning
         if not self._reader.made_calls and self._text is None:
             events += self._open_message()  # an empty answer is still one message
         events += self._close_message(status) + self._close_call(status)
         usage = event.usage or Usage(prompt_tokens=0, completion_tokens=len(self._relay.token_ids))
         result = GenerationResult(text=self._relay.text, token_ids=self._relay.token_ids,
-                                  finish_reason=event.finish_reason or "stop", usage=usage)
+                                  finish_reason=event.finish_reason or "stop", usage=usage,
+                                  chat_format=self._chat_format)
         status = finished_status(result)
         self.ended = True
         return events + [self._event(f"response.{status}", response=self._response(status, result))]

@@ -98,7 +98,8 @@ def publish(connection: Redis, table: TenantLimits, tenants: list[str]) -> None:
 
 def reserved_tokens(request: GenerationRequest) -> int:
     """What a request reserves against tokens per minute: its prompt's tokens (its token ids, else its characters
-    / CHARS_PER_TOKEN rounded up) plus the most it may generate (max_tokens for each candidate answer)."""
+    / CHARS_PER_TOKEN rounded up) plus the most it may generate (max_tokens for each candidate answer; none for a
+    tokenize_only job)."""
     if request.embed is not None:
         return sum(len(item) if isinstance(item, list) else _estimate(item) for item in request.embed)
     if request.prompt_token_ids is not None:
@@ -107,7 +108,7 @@ def reserved_tokens(request: GenerationRequest) -> int:
         prompt = _estimate("".join(m.content or "" for m in request.messages))
     else:
         prompt = _estimate(request.prompt or "")
-    return prompt + request.sampling.max_tokens * request.sampling.candidates
+    return prompt + (0 if request.tokenize_only else request.sampling.max_tokens * request.sampling.candidates)
 
 
 def _estimate(text: str) -> int:

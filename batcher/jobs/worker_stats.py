@@ -41,6 +41,7 @@ class WorkerStats:
     tasks: str = "generate"  # what it serves, comma-separated: generate, embed (`--task`, or its model's config)
     embedding_size: int = 0  # the length of its embeddings (its model's hidden size); 0: it does not embed
     matryoshka_dimensions: str = ""  # other lengths it can shorten them to: "" none, "any", or a comma-separated list
+    max_model_len: int = 0  # its context: the most tokens a sequence holds (what /tokenize reports); 0: unknown
 
     @property
     def heartbeat_age_s(self) -> float:

@@ -20,9 +20,17 @@ from pydantic import ValidationError
 from rqbatcher.constraints import InvalidConstraint
 from rqbatcher.errors import names, quoted, readable, short_name
 from rqbatcher.openai.body_fields import GENERATION_KINDS, refusal
-from rqbatcher.openai.logprob_objects import LogprobsError, chat_logprobs, completion_logprobs, requested
+from rqbatcher.openai.logprob_objects import (
+    LogprobsError,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    prompt_logprobs_body,
+    requested,
+)
 from rqbatcher.openai.service_tiers import SERVICE_TIERS
-from rqbatcher.schema import Choice, GenerationRequest, GenerationResult, Usage
+from rqbatcher.reasoning import split_answer, template_variables, thinking_enabled
+from rqbatcher.schema import ChatFormat, Choice, GenerationRequest, GenerationResult, Usage
 from rqbatcher.tools.calls import read_answer
 
 COMPLETIONS_URL = "/v1/completions"
@@ -35,8 +43,9 @@ COMPLETION_FIELDS = ("echo", "best_of")  # the completions endpoint's
 # Accepted and ignored, each for a reason (docs/gateway.md lists every field's state): `stream` is the gateway's to
 # read; `safety_identifier` and `prompt_cache_key` are hints for OpenAI's own abuse checks and cache routing
 # (batcher's prefix cache needs none); `store` asks OpenAI to keep the completion for its dashboard, which batcher
-# has no place for; `reasoning_effort` and `verbosity` tune models that reason, which batcher serves none of;
-# `prediction` is a latency hint (predicted output), never needed for a correct answer.
+# has no place for; `verbosity` tunes models that reason (and `reasoning_effort` on completions: the chat endpoint
+# passes it to the chat template, batcher/reasoning.py); `prediction` is a latency hint (predicted output), never
+# needed for a correct answer.
 IGNORED_BODY_FIELDS = ("stream", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "store",
                        "reasoning_effort", "verbosity", "prediction")
 # Refused with the reason: ignoring them would mislead (the answer would lack what was asked for)
@@ -73,10 +82,11 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
     chat = url == CHAT_URL
-    endpoint_fields = ("logprobs", "top_logprobs", "modalities", *TOOL_FIELDS) if chat else ("logprobs",
-                                                                                               *COMPLETION_FIELDS)
+    endpoint_fields = ("logprobs", "top_logprobs", "modalities", "chat_template_kwargs",
+                       *TOOL_FIELDS) if chat else ("logprobs", *COMPLETION_FIELDS)
     known = {*SAMPLING_FIELDS, *CONSTRAINT_FIELDS, *IGNORED_BODY_FIELDS, *extra_fields, *endpoint_fields,
-             "prompt", "messages", "model", "max_completion_tokens", "service_tier", "metadata", "user"}
+             "prompt", "messages", "model", "max_completion_tokens", "service_tier", "metadata", "user",
+             "prompt_logprobs"}
     unknown_fields(body, known | REFUSED_BODY_FIELDS.keys())
     body = {k: v for k, v in body.items() if v is not None}  # null means the default, for every field
     if body.get("tools") == []:  # no tools, as some clients say it (vLLM reads it so too)
@@ -92,9 +102,6 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         raise BodyError(*bad)
     if chat and body.get("modalities", ["text"]) != ["text"]:
         raise BodyError("modalities is [\"text\"]: the models batcher serves write text", param="modalities")
-    if body.get("echo") and "logprobs" in body:
-        raise BodyError("echo with logprobs would need the prompt's logprobs, which batcher does not compute",
-                        param="echo")
     request: dict[str, Any] = {"sampling": {k: body[k] for k in SAMPLING_FIELDS if k in body}}
     if "best_of" in body:
         request["sampling"]["best_of"] = body["best_of"]
@@ -107,6 +114,7 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         request["sampling"]["logprobs"] = requested(body, url == CHAT_URL)
     except LogprobsError as exc:
         raise BodyError(str(exc), param=exc.param) from None
+    prompt_logprobs_of(body, request, chat)
     if body.get("model") is not None:
         request["model"] = body["model"]
     request.update({k: body[k] for k in CONSTRAINT_FIELDS if body.get(k) is not None})
@@ -114,6 +122,8 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         request["service_class"] = service_class_of(body["service_tier"])
     if url == CHAT_URL:
         request["messages"] = chat_messages(body.get("messages"))
+        request["chat_template_kwargs"] = template_variables(body.get("chat_template_kwargs"),
+                                                             body.get("reasoning_effort"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list):
@@ -121,6 +131,19 @@ def parse_body(body: Any, url: str, extra_fields: tuple[str, ...] = ()) -> Gener
         else:
             request["prompt"] = prompt
     return validated(request, _client_names(body))
+
+
+def prompt_logprobs_of(body: dict, request: dict, chat: bool) -> None:
+    """The prompt's logprobs a body asks for: vLLM's `prompt_logprobs`, or a completion's `echo` with `logprobs`
+    (which return them in the legacy object). `max_tokens` 0, the prompt alone, is a completion's with either."""
+    if "prompt_logprobs" in body:
+        request["prompt_logprobs"] = body["prompt_logprobs"]
+    elif body.get("echo") and request["sampling"]["logprobs"] is not None:
+        request["prompt_logprobs"] = request["sampling"]["logprobs"]
+    if request["sampling"].get("max_tokens") == 0 and (chat or not (body.get("echo") or "prompt_logprobs" in body)):
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        raise BodyError(f"{name}: at least 1 (0, the prompt alone, goes with a completion's echo or "
+                        "prompt_logprobs)", param=name)
 
 
 def unknown_fields(body: dict, known: set[str]) -> None:
@@ -285,30 +308,66 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
     choices = result.choices or [Choice(index=0, text=result.text, token_ids=result.token_ids,
                                         finish_reason=result.finish_reason, logprobs=result.logprobs)]
     if endpoint == CHAT_URL:
-        shaped = [_chat_choice(c, request_id or "", request is not None and request.calls_tools) for c in choices]
+        reasoning = reasoning_format(result, request)
+        shaped = [_chat_choice(c, request_id or "", request is not None and request.calls_tools, reasoning,
+                               result.chat_format) for c in choices]
         body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
     else:
         echoed = request.prompt if request is not None and request.echo else ""
         shaped = [{"index": c.index, "text": echoed + c.text, "token_ids": c.token_ids,
-                   "logprobs": completion_logprobs(c.logprobs), "finish_reason": openai_finish_reason(c.finish_reason)}
-                  for c in choices]
+                   "logprobs": _completion_logprobs(c, result, echoed), "finish_reason":
+                   openai_finish_reason(c.finish_reason)} for c in choices]
+        vllm_field = request is not None and request.prompt_logprobs is not None and not echoed_with_logprobs(request)
+        for choice in shaped if vllm_field else ():  # an echo with logprobs has them in the legacy object
+            choice["prompt_logprobs"] = prompt_logprobs_of_result(result, request)
         body = {"id": f"{COMPLETION_ID_PREFIX}{request_id}", "object": "text_completion"}
+    if endpoint == CHAT_URL and request is not None and request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_of_result(result, request)  # vLLM's place on chat
     body.update(created=created, model=result.model, choices=shaped, usage=usage)
     if service_tier is not None:
         body["service_tier"] = service_tier
     return body
 
 
-def _chat_choice(choice: Choice, request_id: str, reads_calls: bool) -> dict:
-    """A chat choice: its text as content, or the tool calls it made (finish_reason `tool_calls`)."""
-    content, calls = read_answer(choice.text, request_id, choice.index, reads_calls)
+def reasoning_format(result: GenerationResult, request: GenerationRequest | None) -> str | None:
+    """The reasoning format an answer is read with: the model's, unless the request turned its thinking off."""
+    thinking = request is None or thinking_enabled(request.chat_template_kwargs)
+    return result.chat_format.reasoning if result.chat_format is not None and thinking else None
+
+
+def _chat_choice(choice: Choice, request_id: str, reads_calls: bool, reasoning_format: str | None,
+                 chat_format: ChatFormat | None) -> dict:
+    """A chat choice: its reasoning apart (as `reasoning_content`, and vLLM's newer `reasoning`), then its text as
+    content, or the tool calls it made in the model's format (finish_reason `tool_calls`)."""
+    reasoning, answer = split_answer(choice.text, reasoning_format)
+    content, calls = read_answer(answer, request_id, choice.index, reads_calls, chat_format)
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = reasoning
     finish_reason = openai_finish_reason(choice.finish_reason)
     if calls:
         message["tool_calls"] = [call.to_dict() for call in calls]
         finish_reason = TOOL_CALLS_FINISH if finish_reason == "stop" else finish_reason
     return {"index": choice.index, "message": message, "logprobs": chat_logprobs(choice.logprobs),
             "finish_reason": finish_reason}
+
+
+def echoed_with_logprobs(request: GenerationRequest) -> bool:
+    return request.echo and request.sampling.logprobs is not None
+
+
+def _completion_logprobs(choice: Choice, result: GenerationResult, echoed: str) -> dict | None:
+    """A completion choice's legacy logprobs: with echo, the prompt's tokens first."""
+    if echoed and choice.logprobs is not None and result.prompt_logprobs is not None:
+        return echoed_logprobs(echoed, result.prompt_logprobs, choice.logprobs)
+    return completion_logprobs(choice.logprobs)
+
+
+def prompt_logprobs_of_result(result: GenerationResult, request: GenerationRequest) -> list | None:
+    """vLLM's `prompt_logprobs` of a result (None from a worker that did not compute them)."""
+    if result.prompt_logprobs is None or result.prompt_token_ids is None:
+        return None
+    return prompt_logprobs_body(result.prompt_logprobs, result.prompt_token_ids, request.prompt_logprobs)
 
 
 def success_line(custom_id: str | None, body: dict, request_id: str | None = None) -> dict:

@@ -5,6 +5,11 @@ Chat: `logprobs: true` and `top_logprobs` (0-20) in the body; a choice's `logpro
 Completions: `logprobs` (0-5) in the body; a choice's `logprobs` is
 `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
 A streamed chunk carries the logprobs of the tokens whose text it carries, in the same shapes.
+
+The prompt's logprobs (`GenerationResult.prompt_logprobs`): a completion with `echo` and `logprobs` begins its
+legacy object with the prompt's tokens (the first one's logprob and top_logprobs null: nothing predicts it), and
+vLLM's `prompt_logprobs` extra field answers vLLM's list: None first, then `{token_id: {logprob, rank,
+decoded_token}}` for the prompt token and its `prompt_logprobs` most likely alternatives.
 """
 
 from __future__ import annotations
@@ -64,3 +69,31 @@ def completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 
     return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
             "text_offset": offsets}
+
+
+def echoed_logprobs(prompt: str, entries: list[TokenLogprob | None], generated: list[TokenLogprob] | None) -> dict:
+    """The legacy object of a completion that echoes its text prompt: the prompt's tokens, then the generated ones.
+    The first token's text is what of the prompt precedes the others' (none predicts it, so none names it)."""
+    rest = "".join(e.token for e in entries[1:] if e is not None)
+    first = prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else ""
+    tokens = [first] + [e.token if e is not None else "" for e in entries[1:]]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    shaped = {"tokens": tokens, "token_logprobs": [None] + [e and e.logprob for e in entries[1:]],
+              "top_logprobs": [None] + [e and {t.token: t.logprob for t in e.top_logprobs} for e in entries[1:]],
+              "text_offset": offsets}
+    after = completion_logprobs(generated, len(prompt)) or {}
+    return {key: value + after.get(key, []) for key, value in shaped.items()}
+
+
+def prompt_logprobs_body(entries: list[TokenLogprob | None], token_ids: list[int], k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: for each prompt token after the first, it and then its k likeliest, by token id."""
+    def one(token_id: int, entry: TokenLogprob) -> dict:
+        shaped = {token_id: {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.token}}
+        for rank, top in enumerate(entry.top_logprobs[:k], start=1):
+            shaped.setdefault(top.token_id, {"logprob": top.logprob, "rank": rank, "decoded_token": top.token})
+        return shaped
+
+    return [None if e is None else one(t, e) for t, e in zip(token_ids, entries)]

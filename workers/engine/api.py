@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from rqbatcher.schema import Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
+from rqbatcher.schema import ChatFormat, Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
 from rqbatcher.workers.scheduler.blocks import PrefixCacheStats
 
 
@@ -37,6 +37,8 @@ class RequestOutput:
     choices: list[Choice] | None = None  # every answer, on the last output of a request with n > 1
     completion_tokens: int | None = None  # with best_of: every candidate's tokens; None: the answers' own
     embeddings: list[str] | None = None  # an embedding request's vectors (OpenAI's base64), on its last output
+    prompt_token_ids: list[int] | None = None  # the prompt as tokenized, when the request asked (tokenize_only)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, on the last output, when asked
     # The request's times (time.monotonic()): added to the engine, its first token, its latest token.
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -50,10 +52,10 @@ class RequestOutput:
         """The prompt's part of the usage (what a choice's first token event carries)."""
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=0, cached_tokens=self.num_cached_tokens)
 
-    def to_result(self, timings: Timings | None = None, worker: str | None = None,
-                  model: str | None = None) -> GenerationResult:
+    def to_result(self, timings: Timings | None = None, worker: str | None = None, model: str | None = None,
+                  chat_format: ChatFormat | None = None) -> GenerationResult:
         """The wire-format result of a request that finished (with n > 1, the top-level fields are choice 0's;
-        with best_of, usage counts every candidate's tokens)."""
+        with best_of, usage counts every candidate's tokens). `chat_format`: how a chat answer is read."""
         first = self.choices[0] if self.choices else self
         completion_tokens = (self.completion_tokens if self.completion_tokens is not None
                              else sum(len(c.token_ids) for c in self.choices) if self.choices else len(self.token_ids))
@@ -69,7 +71,23 @@ class RequestOutput:
             logprobs=first.logprobs,
             choices=self.choices,
             embeddings=self.embeddings,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            chat_format=chat_format,
         )
+
+    @classmethod
+    def tokenized(cls, request_id: str, request: GenerationRequest, prompt_ids: list[int], loaded,
+                  arrival_time: float) -> RequestOutput:
+        """A tokenize_only request's answer, with no token generated: the prompt's ids as the engine rendered it
+        (any length: a count is no generation), and, for a request that gave token ids, their text. `loaded` is the
+        engine's model (its tokenizer and vocab_size)."""
+        bad = next((t for t in prompt_ids if t >= loaded.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (size {loaded.vocab_size})")
+        text = "" if request.prompt_token_ids is None else loaded.tokenizer.decode(prompt_ids)
+        return cls(request_id, [], "", text, [], len(prompt_ids), finish_reason="stop", prompt_token_ids=prompt_ids,
+                   arrival_time=arrival_time)
 
 
 @dataclass
@@ -109,6 +127,7 @@ class EngineStats:
     tasks: str = "generate"  # what it serves, comma-separated: generate, embed
     embedding_size: int = 0  # its embeddings' length (the model's hidden size); 0: it does not embed
     matryoshka_dimensions: str = ""  # other lengths its embeddings can be cut to: "" none, "any", or a list
+    max_model_len: int = 0  # the most tokens a sequence holds, prompt and answer (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -129,6 +148,7 @@ class EngineProtocol(Protocol):
     """`add` requests, `step` until `has_work` is false, `abort` one early. One thread drives it."""
 
     loaded: LoadedModelInfo
+    chat_format: ChatFormat  # how the model writes calls and reasoning (workers/engine/chat_format.py)
 
     def add(self, request_id: str, request: GenerationRequest, arrival_time: float | None = None,
             progress: dict[int, Progress] | None = None) -> None:

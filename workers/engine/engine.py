@@ -21,12 +21,13 @@ from rqbatcher.config import TASK_EMBED, TASK_GENERATE, EngineConfig
 from rqbatcher.logit_bias import logit_bias_problem
 from rqbatcher.schema import GenerationRequest, SamplingParams, TokenLogprob
 from rqbatcher.service_class import CLASSES, class_of, urgency_of
-from rqbatcher.tools.prompt import chat_inputs, template_reads_tools
 from rqbatcher.workers.engine.api import EngineStats, Progress, RequestError, RequestOutput, StepStats
+from rqbatcher.workers.engine.chat_format import chat_format_of
 from rqbatcher.workers.engine.choices import Choices
 from rqbatcher.workers.engine.detokenize import IncrementalDetokenizer
 from rqbatcher.workers.engine.embeddings import Embeddings, serving_tasks
 from rqbatcher.workers.engine.logprobs import Logprobs
+from rqbatcher.workers.engine.prompt_ids import prompt_ids
 from rqbatcher.workers.engine.sampling import Sampler
 from rqbatcher.workers.engine.structured import Grammars
 from rqbatcher.workers.model.loading import LoadedModel
@@ -58,13 +59,14 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
         self.config = config
+        self.chat_format = chat_format_of(loaded.tokenizer)  # how its answers write calls and reasoning
         self.runner = ModelRunner(loaded, config)
         limits = [v for v in (config.max_model_len, loaded.max_position_embeddings) if v]
         self.max_model_len = min(limits) if limits else 1 << 20
         allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, allocator, loaded.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(self.runner.device)
-        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, self.chat_format)
         self.logprobs = Logprobs(loaded.tokenizer)
         self.choices = Choices()
         self.tasks = serving_tasks(config.tasks, loaded.embedding, loaded.name)
@@ -86,11 +88,14 @@ class Engine:
         earlier attempt left them; a choice that had already ended is reported ended by the next step."""
         if request_id in self._requests or request_id in self.choices or request_id in self.embeddings:
             raise RequestError(f"request id {request_id!r} is already in the engine")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if request.tokenize_only:  # answered by the next step, with no forward and no slot: any worker can count
+            self._ready += [RequestOutput.tokenized(request_id, request, self.tokenize(request), self.loaded, arrival)]
+            return
         task = TASK_GENERATE if request.embed is None else TASK_EMBED
         if task not in self.tasks:
             raise RequestError(f"this worker does not serve {task} jobs: it serves {', '.join(self.tasks)} "
                                f"with model {self.loaded.name!r}")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         if request.embed is not None:  # one prefill-only sequence per input
             for seq in self.embeddings.add(request_id, request, arrival):
                 self.scheduler.add(seq)
@@ -105,8 +110,10 @@ class Engine:
                 prior = (progress or {}).get(i)
                 seq = Sequence(sequence_id, prompt_ids, sampling, arrival_time=arrival,
                                service_class=class_of(request), urgency=urgency_of(request), tenant=request.tenant,
-                               resumed_token_ids=prior.token_ids if prior else None)
-                detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop)
+                               resumed_token_ids=prior.token_ids if prior else None,
+                               prompt_logprobs=request.prompt_logprobs)
+                markers = self.grammars.markers_of(request)  # the call markers its grammar writes, kept as text
+                detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids, sampling.stop, markers)
                 req = _Request(seq, detok, logprobs=None if sampling.logprobs is None else [])
                 requests.append(req)
                 ends.append(self._restore(req, prior) if prior and prior.token_ids else None)
@@ -117,6 +124,7 @@ class Engine:
         for req, end in zip(requests, ends):
             self._requests[req.seq.request_id] = req
             self.sampler.admit(req.seq)
+            self.logprobs.admit(req.seq)
             if end is None:
                 self.scheduler.add(req.seq)
         self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences], request.sampling)
@@ -162,7 +170,7 @@ class Engine:
                            last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions),
                            fairness_preemptions=scheduler.fairness_preemptions,
                            step_time_target_s=scheduler.budget.step_target_s, recent_step_s=self.recent_step_s,
-                           prefix_blocks_awaited=scheduler.prefix_blocks_awaited,
+                           prefix_blocks_awaited=scheduler.prefix_blocks_awaited, max_model_len=self.max_model_len,
                            vocab_size=self.loaded.vocab_size, tasks=",".join(self.tasks),
                            embedding_size=facts.size if embeds else 0,
                            matryoshka_dimensions=facts.matryoshka if embeds else "")
@@ -196,6 +204,7 @@ class Engine:
         computed, sampled, outputs = self._run(plan)
         outputs = ready + outputs
         finished = set(self.scheduler.update(computed, sampled))
+        outputs += [self._finish(self._requests[seq.request_id], "length") for seq in self.logprobs.ended()]
         outputs += [out for seq in finished if seq.embed and (out := self.embeddings.finish(seq)) is not None]
         for seq, token in sampled.items():
             req = self._requests[seq.request_id]
@@ -210,41 +219,20 @@ class Engine:
         budget = self.scheduler.budget
         classes = {s.service_class for s in plan.num_tokens}
         self.last_step = StepStats(
-            step=self.step_index,
-            num_seqs=len(plan.num_tokens),
-            num_tokens=plan.total_tokens,
-            num_prefill_tokens=sum(n for n in plan.num_tokens.values() if n > 1),
-            num_preempted=len(plan.preempted),
-            duration_s=duration_s,
-            mix="+".join(c for c in CLASSES if c in classes),
+            step=self.step_index, num_seqs=len(plan.num_tokens), num_tokens=plan.total_tokens,
+            num_prefill_tokens=sum(n for n in plan.num_tokens.values() if n > 1), num_preempted=len(plan.preempted),
+            duration_s=duration_s, mix="+".join(c for c in CLASSES if c in classes),
             prompt_token_budget=int(min(budget.prompt_tokens, self.config.max_num_batched_tokens)),
             urgent_prompt_tokens=budget.urgent_tokens,
             batch_prompt_tokens=budget.batch_tokens,
             target_infeasible=budget.infeasible,
         )
         self.step_index += 1
-        outputs = self.choices.merge(outputs, self.abort)
-        return outputs
+        return self.choices.merge(outputs, self.abort)
 
     # ----- helpers -----
     def tokenize(self, request: GenerationRequest) -> list[int]:
-        tokenizer = self.loaded.tokenizer
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if request.messages is not None and not has_template:
-            raise RequestError(f"model {self.loaded.name!r} has no chat template; send a prompt instead of messages")
-        if request.messages is not None:
-            messages, tools = chat_inputs(request, template_reads_tools(tokenizer.chat_template))
-        elif request.chat and has_template:
-            messages, tools = [{"role": "user", "content": request.prompt}], None
-        else:
-            return list(tokenizer(request.prompt)["input_ids"])
-        try:
-            return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"])
-        except Exception as exc:  # noqa: BLE001  (a template that raises on this conversation: jinja's own errors)
-            raise RequestError(f"model {self.loaded.name!r}'s chat template refused the messages: {exc}") from None
+        return prompt_ids(request, self.loaded.tokenizer, self.loaded.name)
 
     def _restore(self, req: _Request, prior: Progress) -> str | None:
         """Bring a new sequence's helpers to where an earlier attempt left it: its generated tokens replayed through
@@ -310,20 +298,19 @@ class Engine:
         self.grammars.begin(plan)
         logits, seqs = self.runner.execute(plan)
         self.grammars.mask(logits, seqs)  # first: a bias or penalty added later leaves -inf at -inf
-        captured = self.logprobs.capture(logits, seqs)  # the model's own numbers, before the sampler's changes
+        captured = self.logprobs.capture(logits, seqs, self.runner.prompt_logits)  # before the sampler's changes
         tokens = self.sampler.sample(logits, seqs)
         self.logprobs.record(captured, seqs, tokens)
         for seq, rows in self.runner.embedding_rows.items():  # last: a step that failed before pools nothing
             self.embeddings.pool(seq, rows)
-        return dict(zip(seqs, tokens))
+        return self.logprobs.drop_prefill_only(dict(zip(seqs, tokens)))  # max_tokens 0 draws no token
 
     def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
         """Detokenize the token the scheduler took; a stop string or a complete grammar ends the request here."""
         seq = req.seq
         grammar_complete = self.grammars.advance(seq)
         req.new_token_ids.append(token)
-        logprob = self.logprobs.pop(seq.request_id)
-        if logprob is not None:
+        if (logprob := self.logprobs.pop(seq.request_id)) is not None:
             req.new_logprobs.append(logprob)
             req.logprobs.append(logprob)
         req.delta_text += req.detokenizer.push(token)
@@ -353,6 +340,7 @@ class Engine:
             last_token_time=seq.last_token_time,
             new_logprobs=None if req.logprobs is None else req.new_logprobs,
             logprobs=None if req.logprobs is None else list(req.logprobs),
+            **(self.logprobs.prompt_part(seq) if finish_reason or error else {}),
         )
         req.new_token_ids, req.delta_text, req.new_logprobs = [], "", []
         return out

@@ -5,6 +5,12 @@ of a best_of request, which are scored by them (workers/engine/choices.py asks w
 before logit_bias, the penalties, temperature, top-k and top-p touch the logits (rqbatcher.schema.TokenLogprob says
 what the numbers mean). `record` then keeps, per request, the sampled token's logprob and the top
 alternatives until the engine takes the token (`pop`). A step where no sequence asked costs nothing.
+
+The prompt's logprobs (`GenerationRequest.prompt_logprobs`) come from the prefill the job runs anyway: the runner
+projects every prompt position of an asking sequence's chunks (`ModelRunner.prompt_logits`), `record_prompt` keeps
+each prompt token's logprob, rank and top alternatives (the first token has none: nothing predicts it), and the
+request's last output carries them (`prompt_part`). A sequence with `max_tokens` 0 ends after its prefill: the
+engine drops the token drawn there (`prefill_only`).
 """
 
 from __future__ import annotations
@@ -34,8 +40,15 @@ class Logprobs:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
         self._pending: dict[str, TokenLogprob] = {}
+        self._prompts: dict[str, list[TokenLogprob | None]] = {}  # by request, one per prompt token
+        self._prefill_only: dict[str, Sequence] = {}  # max_tokens 0, until their prompt is computed
+        self._ended: list[Sequence] = []  # of those, the ones whose drawn token this step dropped
 
-    def capture(self, logits: torch.Tensor, seqs: list[Sequence]) -> Captured | None:
+    def capture(self, logits: torch.Tensor, seqs: list[Sequence],
+                prompt_logits: dict[Sequence, tuple[int, torch.Tensor]] | None = None) -> Captured | None:
+        """The sampling rows' logprobs, for `record` once the tokens are drawn; the prompt rows' are kept now."""
+        if prompt_logits:
+            self.record_prompt(prompt_logits)
         rows = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
         if not rows:
             return None
@@ -60,6 +73,47 @@ class Logprobs:
     def pop(self, request_id: str) -> TokenLogprob | None:
         """The logprobs of the token the request was last given (None if it did not ask)."""
         return self._pending.pop(request_id, None)
+
+    def admit(self, seq: Sequence) -> None:
+        if seq.sampling.max_tokens == 0:
+            self._prefill_only[seq.request_id] = seq
+
+    def drop_prefill_only(self, sampled: dict[Sequence, int]) -> dict[Sequence, int]:
+        """`sampled` without the tokens drawn for `max_tokens` 0 sequences (their prompt is computed: they end)."""
+        if self._prefill_only:
+            self._ended += [seq for seq in self._prefill_only.values() if sampled.pop(seq, None) is not None]
+            for seq in self._ended:
+                self._prefill_only.pop(seq.request_id, None)
+        return sampled
+
+    def ended(self) -> list[Sequence]:
+        """The sequences `drop_prefill_only` ended since the last call: the engine finishes them (`length`)."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def record_prompt(self, prompt_logits: dict[Sequence, tuple[int, torch.Tensor]]) -> None:
+        """Keep the prompt tokens' logprobs of a step's prompt rows (`ModelRunner.prompt_logits`)."""
+        for seq, (first, logits) in prompt_logits.items():
+            logprobs = logits.float().log_softmax(dim=-1)
+            targets = torch.tensor(seq.token_ids[first : first + len(logits)], device=logits.device)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0]
+            ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
+            top = logprobs.topk(seq.prompt_logprobs, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+            kept = self._prompts.setdefault(seq.request_id, [None] * seq.num_prompt_tokens)
+            for j, (token, logprob) in enumerate(zip(targets.tolist(), chosen.tolist())):
+                top_j = [TopLogprob(token=self.text(t), logprob=v, token_id=t)
+                         for t, v in zip(top_ids[j], top_values[j]) if math.isfinite(v)]
+                kept[first + j] = TokenLogprob(token=self.text(token), logprob=max(logprob, IMPOSSIBLE_LOGPROB),
+                                               top_logprobs=top_j, rank=ranks[j])
+
+    def prompt_part(self, seq: Sequence) -> dict:
+        """A request's prompt logprobs and token ids, for its last output ({} when it did not ask); forgets them."""
+        self._prefill_only.pop(seq.request_id, None)
+        kept = self._prompts.pop(seq.request_id, None)
+        if seq.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": kept or [None] * seq.num_prompt_tokens, "prompt_token_ids": seq.prompt_token_ids}
 
     def text(self, token_id: int) -> str:
         text = self._texts.get(token_id)

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from rqbatcher.schema import GenerationRequest
+from rqbatcher.schema import ChatFormat, GenerationRequest
 from rqbatcher.workers.engine.api import RequestError
+from rqbatcher.workers.engine.reasoning_probe import special_marker_ids
+from rqbatcher.workers.engine.tool_format_probe import served_tool_format
 from rqbatcher.workers.scheduler import StepPlan
 from rqbatcher.workers.scheduler.sequence import Sequence
 
@@ -53,8 +55,12 @@ class GrammarState:
 class Grammars:
     """The grammars of one engine's constrained sequences, keyed by request id."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
+                 chat_format: ChatFormat = ChatFormat()) -> None:
         self._hf_tokenizer = tokenizer
+        self.tool_format = served_tool_format(tokenizer, chat_format.tools)  # calls are written in the model's format
+        self.reasoning_format = chat_format.reasoning  # a constrained answer starts after the reasoning
+        self._reasoning_markers = special_marker_ids(tokenizer, chat_format.reasoning)
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (about a second)
@@ -70,11 +76,17 @@ class Grammars:
     def admit(self, request_id: str, request: GenerationRequest) -> None:
         """Compile the request's grammar (if it has one) and give it a fresh state; RequestError if it cannot."""
         try:
-            grammar = request.grammar()
+            grammar = request.grammar(self.reasoning_format, tool_format=self.tool_format)
         except ValueError as exc:  # a job validated by an older client, or built without validation
             raise RequestError(str(exc)) from None
         if grammar is not None:
             self._states[request_id] = GrammarState(self._compile(grammar).deep_copy())
+
+    def markers_of(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The special tokens the request's answer is read by (its calls' markers, the reasoning's): the detokenizer
+        keeps them."""
+        calls = tuple(self.tool_format.special_ids.values()) if request.calls_tools else ()
+        return calls + self._reasoning_markers
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

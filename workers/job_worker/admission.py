@@ -21,6 +21,7 @@ from rqbatcher.jobs.life import InvalidJob, decode_request
 from rqbatcher.jobs.redis_retry import REDIS_ERRORS
 from rqbatcher.jobs.rq_adapter import WORKERS_SUSPENDED, BaseJobWorker, Execution, Job, Queue, failure_ttl
 from rqbatcher.schema import GenerationRequest
+from rqbatcher.tools.calls import answer_format
 from rqbatcher.workers.engine.api import EngineProtocol, RequestError
 from rqbatcher.workers.job_worker.class_pick import ClassAdmission
 from rqbatcher.workers.job_worker.in_flight import InFlight, InFlightJobs
@@ -151,7 +152,9 @@ class Admission:
             # what earlier attempts streamed, to go on from (None: a first attempt, or a stream that cannot go on)
             resumed = None if not streamed or unreadable else read_resumable(
                 streamed, f.request.sampling.logprobs is not None)
-            self.streams.begin(job.id, execution.id, streamed[-1][0] if streamed else None, f.result_ttl, resumed)
+            f.chat_format = None if unreadable else answer_format(f.request, self.engine.chat_format)
+            self.streams.begin(job.id, execution.id, streamed[-1][0] if streamed else None, f.result_ttl, resumed,
+                               f.chat_format)
             admitted.append(f)
             if unreadable is not None:
                 f.ended("failed", reason=unreadable)

@@ -17,7 +17,7 @@ from typing import Literal
 from rqbatcher.jobs import ends as job_ends
 from rqbatcher.jobs.contract import bounded_reason
 from rqbatcher.jobs.rq_adapter import Execution, Job, Queue
-from rqbatcher.schema import GenerationRequest, GenerationResult
+from rqbatcher.schema import ChatFormat, GenerationRequest, GenerationResult
 
 EndStatus = job_ends.EndStatus | Literal["lost"]  # lost: another worker holds the job now
 
@@ -59,6 +59,7 @@ class InFlight:
     tenant: str  # whose fair-share counter the pick charged (`rqbatcher.jobs.fairness`); the end corrects it
     timeout_at: float | None = None
     request: GenerationRequest | None = None  # None until decoded, or if the job carries no valid request
+    chat_format: ChatFormat | None = None  # a chat job's: how its answer is read (on its `start` and its result)
     end: JobEnd | None = None
     end_order: int = 0  # jobs that ended in the same iteration are recorded in the order they ended
     end_event_buffered: bool = False

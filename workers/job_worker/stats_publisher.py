@@ -88,7 +88,7 @@ class StatsPublisher:
             batch_prompt_tokens=engine.last_step.batch_prompt_tokens if engine.last_step else 0,
             prefix_blocks_awaited=engine.prefix_blocks_awaited,
             vocab_size=engine.vocab_size, tasks=engine.tasks, embedding_size=engine.embedding_size,
-            matryoshka_dimensions=engine.matryoshka_dimensions)
+            matryoshka_dimensions=engine.matryoshka_dimensions, max_model_len=engine.max_model_len)
 
     def remove(self) -> None:
         worker = self.worker

@@ -35,7 +35,7 @@ from rqbatcher.jobs import keys
 from rqbatcher.jobs.ends import EndStatus, terminal_event
 from rqbatcher.jobs.redis_text import as_text
 from rqbatcher.jobs.stream import STREAM_MAXLEN, ttl_arg
-from rqbatcher.schema import STREAM_FIELD, GenerationResult, StreamEvent, TokenLogprob, Usage
+from rqbatcher.schema import STREAM_FIELD, ChatFormat, GenerationResult, StreamEvent, TokenLogprob, Usage
 from rqbatcher.workers.job_worker.resume import Resumed
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class _Attempt:
     text: dict[int, list[str]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     prompt_usage: Usage | None = None  # carried by each choice's first token event (StreamEvent.usage)
+    chat_format: ChatFormat | None = None  # a chat job's, carried by `start`: how a reader reads its calls
 
     def add(self, event: StreamEvent) -> None:
         self.events.append((f"{self.base_ms}-{self.next_seq}", event))
@@ -138,15 +139,16 @@ class StreamWriter:
         self._in_transaction: dict[str, int] = {}  # execution id -> its write's position in the end transaction
 
     def begin(self, job_id: str, execution_id: str, top_id: bytes | str | None, ttl: int | None,
-              resumed: Resumed | None = None) -> None:
+              resumed: Resumed | None = None, chat_format: ChatFormat | None = None) -> None:
         """Start an execution's stream. `top_id` is the stream's last id if it exists: an earlier attempt wrote it.
         With `resumed` (what that stream holds, which this execution goes on from), the stream continues: `start`,
         then this execution's tokens, and the first write checks that the stream still holds `top_id`. Without,
-        this execution replaces the stream and begins with `restart`."""
+        this execution replaces the stream and begins with `restart`. A chat job's `start` carries `chat_format`."""
         top_ms = stream_id_ms(top_id)
         base_ms = max(int(time.time() * 1000), (top_ms or 0) + 1)
         replace = top_ms is not None and resumed is None
-        attempt = self._attempts[execution_id] = _Attempt(job_id, execution_id, base_ms, replace=replace)
+        attempt = self._attempts[execution_id] = _Attempt(job_id, execution_id, base_ms, replace=replace,
+                                                          chat_format=chat_format)
         if replace:
             attempt.add(StreamEvent(type="restart", execution_id=execution_id))
         if resumed is not None:
@@ -154,7 +156,7 @@ class StreamWriter:
             attempt.text = {choice: [text] for choice, text in resumed.text.items()}
             attempt.token_ids = {choice: list(p.token_ids) for choice, p in resumed.progress.items()}
             attempt.prompt_usage = resumed.prompt_usage
-        attempt.add(StreamEvent(type="start", execution_id=execution_id))
+        attempt.add(StreamEvent(type="start", execution_id=execution_id, chat_format=chat_format))
         attempt.ttl = attempt.start_ttl = ttl_arg(ttl)
 
     def token(self, execution_id: str, text: str, token_ids: list[int], index: int,
@@ -253,7 +255,7 @@ class StreamWriter:
         attempt.replace = True  # the first write drops what the stream holds
         attempt.ttl = attempt.ttl if attempt.ttl != KEEP_TTL else attempt.start_ttl
         attempt.add(StreamEvent(type="restart", execution_id=execution_id))
-        attempt.add(StreamEvent(type="start", execution_id=execution_id))
+        attempt.add(StreamEvent(type="start", execution_id=execution_id, chat_format=attempt.chat_format))
         for choice, token_ids in sorted(attempt.token_ids.items()):
             attempt.add(StreamEvent(type="token", execution_id=execution_id, text="".join(attempt.text[choice]),
                                     token_ids=list(token_ids), index=0, choice=choice, usage=attempt.prompt_usage))

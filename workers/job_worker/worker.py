@@ -250,7 +250,7 @@ class JobWorker(BaseJobWorker):
         queue_s = (job.started_at - job.enqueued_at).total_seconds() if job.started_at and job.enqueued_at else None
         ttft_s = None if out.first_token_time is None else out.first_token_time - out.arrival_time
         timings = Timings(queue_s=queue_s, ttft_s=ttft_s, total_s=time.monotonic() - f.admitted_at)
-        return out.to_result(timings, worker=self.name, model=self.model_name)
+        return out.to_result(timings, self.name, self.model_name, f.chat_format)
 
     # ----- shutdown -----
     def request_stop(self, signum, frame) -> None:

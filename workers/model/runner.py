@@ -5,7 +5,9 @@ sequence's new tokens into one row with explicit positions and cache slots, and 
 logits of the sequences that sample this step. For embedding inputs (`Sequence.embed`) it keeps instead the final
 norm's hidden states of every row they computed (`embedding_rows`), on whichever forward runs: the fused layers
 return them beside the logits, transformers' forward gives them through a hook on its decoder, and a step carrying
-embedding rows runs eagerly, never on a compiled graph.
+embedding rows runs eagerly, never on a compiled graph. For a sequence that takes its prompt's logprobs
+(`Sequence.prompt_logprobs`) the LM head also reads every row of its chunk that predicts a prompt token, after the
+sampling rows (`prompt_logits`); no other step projects more than its sampling rows.
 
 Attention runs on the torch backend (decode groups and prefill spans planned here), on the cpu one (the
 same, with all decodes in one group for `rqbatcher.kernels.native`'s kernel, and in bf16 prompt chunks on its prefill
@@ -121,6 +123,9 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()  # the layers and final norm, under the LM head
         # the final hidden states of the embedding inputs' rows of the last `execute`, by sequence
         self.embedding_rows: dict[Sequence, torch.Tensor] = {}
+        # the prompt positions' logits of the last `execute`, of the sequences that take their prompt's logprobs: by
+        # sequence, (the index of the first prompt token they predict, logits [rows, vocab])
+        self.prompt_logits: dict[Sequence, tuple[int, torch.Tensor]] = {}
         self.compiled: CompiledForward | None = None
         if config.compile:
             self.compiled = CompiledForward(self.model, min(config.max_num_seqs, config.max_num_batched_tokens))
@@ -211,7 +216,7 @@ class ModelRunner:
         """One forward for everything scheduled. Returns logits `[K, vocab]` (float32) of the
         K sequences whose prompt is now fully computed, in the order returned; the embedding inputs' hidden states
         are left in `embedding_rows`."""
-        self.embedding_rows = {}
+        self.embedding_rows, self.prompt_logits = {}, {}
         decodes = [s for s, n in plan.num_tokens.items() if n == 1]
         decodes, decode_groups = (decodes, []) if self.flat_attention else self._plan_decodes(decodes)
         prefills = [(s, n) for s, n in plan.num_tokens.items() if n > 1]
@@ -223,6 +228,7 @@ class ModelRunner:
         last_rows: list[int] = []
         rows: list[tuple[list[int], int, int]] = []  # (block table, first position, new tokens), for flat attention
         embedding_spans: list[tuple[Sequence, int, int]] = []  # (embedding input, its first row, its rows)
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []  # (sequence, first row, rows, first token predicted)
         for seq, n in [(s, 1) for s in decodes] + prefills:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row = len(input_ids)
@@ -233,6 +239,8 @@ class ModelRunner:
             if n > 1 and not self.flat_attention:
                 spans.append(PrefillSpan.of(row, n, start, seq.block_table, self.block_size, self.device,
                                             self.native_prefill))
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:  # rows predicting prompt tokens
+                prompt_spans.append((seq, row, min(end, seq.num_prompt_tokens - 1) - start, start + 1))
             if seq.embed:
                 embedding_spans.append((seq, row, n))
             elif plan.samples(seq):
@@ -252,8 +260,10 @@ class ModelRunner:
                 prefills=spans,
                 batch_invariant=self.batch_invariant,
             )
-        if not sampling and not embedding_spans:
+        prompt_rows = [r for _, row, n, _ in prompt_spans for r in range(row, row + n)]
+        if not sampling and not embedding_spans and not prompt_rows:
             last_rows = [len(input_ids) - 1]  # the LM head needs at least one row; its logits are unused
+        last_rows += prompt_rows  # after the sampling rows: their logits come first, as without
         if embedding_spans:
             pooled_rows = [r for _, row, n in embedding_spans for r in range(row, row + n)]
             logits, hidden = self._forward_keeping(input_ids, positions, last_rows, pooled_rows, metadata)
@@ -261,6 +271,9 @@ class ModelRunner:
             self.embedding_rows = {seq: hidden[at : at + n] for (seq, _, n), at in zip(embedding_spans, offsets)}
         else:
             logits = self._forward(input_ids, positions, last_rows, metadata)
+        at = len(last_rows) - len(prompt_rows)
+        for seq, _, n, first in prompt_spans:
+            self.prompt_logits[seq], at = (first, logits[at : at + n]), at + n
         return logits[: len(sampling)].float(), sampling
 
     def _forward_keeping(self, input_ids: list[int], positions: list[int], last_rows: list[int],

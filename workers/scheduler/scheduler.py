@@ -22,7 +22,8 @@ target. The static policy is the baseline: it admits only into an empty batch an
 
 Prefix caching (`rqbatcher.workers.scheduler.blocks`): an admitted sequence starts from the cached full blocks of its
 tokens, counted as computed, and always computes at least its last token (it needs its logits). Embedding inputs
-(`Sequence.embed`) neither read nor fill the cache, and end after their last prompt chunk, sampling nothing.
+(`Sequence.embed`) neither read nor fill the cache, and end after their last prompt chunk, sampling nothing; a
+sequence that takes its prompt's logprobs reads no cached block (it needs every position's logits).
 Admission and preemption count only the blocks a sequence newly needs. Full blocks are named in the
 cache when they are *scheduled*, so a sequence admitted later in the same step starts from blocks that
 an earlier one fills in that step: the model writes every new key and value of a layer before any
@@ -315,8 +316,9 @@ class Scheduler:
 
     def _shareable_hashes(self, seq: Sequence) -> list[bytes]:
         """The hashes of the blocks `seq` could start from: at most all but its last token, which must be computed.
-        An embedding input starts from none: its pooling needs every token's hidden state."""
-        if not self.allocator.prefix_caching or seq.embed:
+        An embedding input starts from none: its pooling needs every token's hidden state; nor does a sequence whose
+        prompt's logprobs are taken: they need every position's logits."""
+        if not self.allocator.prefix_caching or seq.embed or seq.prompt_logprobs is not None:
             return []
         limit = (seq.num_tokens - 1) // self.allocator.block_size
         chain_block_hashes(seq.token_ids, self.allocator.block_size, seq.block_hashes, limit)

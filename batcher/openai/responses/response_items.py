@@ -4,7 +4,9 @@ In: a request's `input` (a string, or messages, `function_call` and `function_ca
 ChatMessages (a call becomes an assistant's `tool_calls`, its output a `tool` message); its flat function `tools`,
 `tool_choice` and `text.format` become the Chat Completions shapes batcher's schema reads. Out: an answer becomes
 output items (one `message` with an `output_text` part, or `function_call` items), read with the same CallReader
-as chat answers, so call ids are the same in a stream, a retrieved response and a rerun job.
+as chat answers, so call ids are the same in a stream, a retrieved response and a rerun job. A thinking model's
+reasoning comes first, as a `reasoning` item (batcher/reasoning.py); a client that sends reasoning items back in its
+input has them dropped, as the templates drop an earlier turn's reasoning.
 
 Item ids derive from the job id, so that the streamed events and the stored response name the same items.
 """
@@ -15,8 +17,9 @@ import hashlib
 from typing import Any
 
 from rqbatcher.errors import quoted
-from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.batch_lines import BodyError, reasoning_format
 from rqbatcher.openai.body_fields import VERBOSITIES
+from rqbatcher.reasoning import split_answer
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
 from rqbatcher.tools.calls import CALL_ID_PREFIX, read_answer
 from rqbatcher.tools.definitions import NamedToolChoice
@@ -34,6 +37,7 @@ ITEM_ID_DIGEST_CHARS = 32
 MESSAGE_ITEM_PREFIX = "msg_"
 CALL_ITEM_PREFIX = "fc_"
 CALL_OUTPUT_ITEM_PREFIX = "fco_"
+REASONING_ITEM_PREFIX = "rs_"
 INCOMPLETE_FINISHES = ("length", "timeout")  # an answer cut short by a limit the request set
 
 
@@ -58,6 +62,8 @@ def input_messages(value: Any) -> list[dict]:
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue
         elif kind == "function_call_output":
             _check_keys(item, CALL_OUTPUT_KEYS, i)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
@@ -65,6 +71,8 @@ def input_messages(value: Any) -> list[dict]:
         else:
             raise BodyError(f"input[{i}] is an item of type {quoted(kind)}; batcher reads messages, function_call and "
                             "function_call_output items", param=INPUT)
+    if not messages:
+        raise BodyError("input holds only reasoning items, which are dropped: give something to answer", param=INPUT)
     return messages
 
 
@@ -112,8 +120,8 @@ def input_items(value: Any, job_id: str) -> list[dict]:
     for i, item in enumerate(value):
         item = {k: v for k, v in item.items() if v is not None}
         kind = item.get("type") or "message"
-        prefix = {"message": MESSAGE_ITEM_PREFIX, "function_call": CALL_ITEM_PREFIX}.get(kind,
-                                                                                         CALL_OUTPUT_ITEM_PREFIX)
+        prefix = {"message": MESSAGE_ITEM_PREFIX, "function_call": CALL_ITEM_PREFIX,
+                  "reasoning": REASONING_ITEM_PREFIX}.get(kind, CALL_OUTPUT_ITEM_PREFIX)
         shaped = {**item, "type": kind, "id": _item_id(prefix, f"{job_id}:input:{i}"), "status": "completed"}
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
@@ -219,19 +227,36 @@ def call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
             "arguments": arguments, "status": status}
 
 
+def reasoning_item_id(job_id: str) -> str:
+    return _item_id(REASONING_ITEM_PREFIX, f"{job_id}:reasoning")
+
+
+def reasoning_item(job_id: str, text: str, status: str) -> dict:
+    return {"id": reasoning_item_id(job_id), "type": "reasoning", "summary": [], "status": status,
+            "content": [reasoning_part(text)]}
+
+
+def reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def output_items(request: GenerationRequest, result: GenerationResult, job_id: str) -> list[dict]:
-    """The answer's output items: its text as one message, or the calls it made (a call cut short by
-    max_output_tokens is left out, as chat's whole answers leave it out)."""
-    content, calls = read_answer(result.text, job_id, 0, request.calls_tools)
-    if calls:
-        return [call_item(c.id, c.name, c.arguments, "completed") for c in calls]
+    """The answer's output items: its reasoning, if the model wrote any, then its text as one message, or the calls
+    it made (a call cut short by max_output_tokens is left out, as chat's whole answers leave it out)."""
+    reasoning, answer = split_answer(result.text, reasoning_format(result, request))
+    content, calls = read_answer(answer, job_id, 0, request.calls_tools, result.chat_format)
     status = "incomplete" if result.finish_reason in INCOMPLETE_FINISHES else "completed"
-    return [message_item(job_id, content or "", status)]
+    items = [] if reasoning is None else [reasoning_item(job_id, reasoning, status if answer == "" else "completed")]
+    if calls:
+        return items + [call_item(c.id, c.name, c.arguments, "completed") for c in calls]
+    return items + [message_item(job_id, content or "", status)]
 
 
 def answer_messages(request: GenerationRequest, result: GenerationResult, job_id: str) -> list[ChatMessage]:
-    """The answer as the assistant's turn of a conversation that goes on (previous_response_id)."""
-    content, calls = read_answer(result.text, job_id, 0, request.calls_tools)
+    """The answer as the assistant's turn of a conversation that goes on (previous_response_id), without its
+    reasoning."""
+    content, calls = read_answer(split_answer(result.text, reasoning_format(result, request))[1], job_id, 0,
+                                 request.calls_tools, result.chat_format)
     if calls:
         return [ChatMessage.model_validate({"role": "assistant", "tool_calls": [c.to_dict() for c in calls]})]
     return [ChatMessage(role="assistant", content=content or "")]

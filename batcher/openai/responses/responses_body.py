@@ -27,21 +27,23 @@ from rqbatcher.openai.responses.response_items import (
     tools_echo,
 )
 from rqbatcher.openai.service_tiers import TIER_OF_CLASS
+from rqbatcher.reasoning import EFFORT, template_variables
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult, Usage
 from rqbatcher.service_class import class_of
 
 RESPONSES_URL = "/v1/responses"
 RESPONSE_ID_PREFIX = "resp_"  # a response's id is the prefix and its job's id
 HONOURED_FIELDS = ("input", "instructions", "model", "max_output_tokens", "temperature", "top_p", "text", "tools",
-                   "tool_choice", "parallel_tool_calls", "metadata", "user", "service_tier", "store", "include")
+                   "tool_choice", "parallel_tool_calls", "metadata", "user", "service_tier", "store", "include",
+                   "reasoning")  # reasoning.effort goes to the chat template (batcher/reasoning.py); summary is ignored
 SERVER_FIELDS = ("previous_response_id", "background", "stream")  # acted on by the gateway; refused in a batch line
-# Accepted and ignored, each for a reason: `reasoning` and `top_logprobs` tune what batcher does not return (no model
-# served here reasons; logprobs come only with include's message.output_text.logprobs, which is refused);
+# Accepted and ignored, each for a reason: `top_logprobs` tunes what batcher does not return (logprobs come only
+# with include's message.output_text.logprobs, which is refused);
 # `truncation` only matters for an input past the model's context, which fails with its reason either way;
 # `prompt_cache_*` and `safety_identifier` are hints for OpenAI's cache routing and abuse checks (the prefix cache
 # needs none); `max_tool_calls` bounds built-in tools, which batcher has none of; `stream_options` holds only
 # include_obfuscation (no padding is sent); `access_programs` are OpenAI account programs.
-IGNORED_FIELDS = ("reasoning", "top_logprobs", "truncation", "prompt_cache_key", "prompt_cache_retention",
+IGNORED_FIELDS = ("top_logprobs", "truncation", "prompt_cache_key", "prompt_cache_retention",
                   "prompt_cache_options", "safety_identifier", "max_tool_calls", "stream_options", "access_programs")
 REFUSED_FIELDS = {
     "conversation": "conversation objects are not available: continue with previous_response_id",
@@ -96,6 +98,7 @@ def parse_responses_body(body: Any, extra_fields: tuple[str, ...] = (), *, batch
     if "text" in body:
         request["response_format"] = chat_response_format(body["text"])
     request.update({k: body[k] for k in ("parallel_tool_calls", "user", "model") if k in body})
+    request["chat_template_kwargs"] = template_variables(None, body.get("reasoning", {}).get("effort"))
     if "metadata" in body:
         request["metadata"] = openai_metadata(body["metadata"])
     if "service_tier" in body:
@@ -115,6 +118,8 @@ def _check_flags(body: dict) -> None:
     bad = refusal(body, RESPONSES_KINDS)
     if bad is not None:
         raise BodyError(*bad)
+    if body.get("max_output_tokens") == 0:  # the prompt alone is a completion's (echo), not a response's
+        raise BodyError("max_output_tokens must be at least 1", param="max_output_tokens")
     if body.get("background") and body.get("store") is False:
         raise BodyError("a background response is stored: background needs store true", param="background")
     refused = [i for i in body.get("include", ()) if i in REFUSED_INCLUDES]
@@ -164,7 +169,7 @@ def response_object(request: GenerationRequest, result: GenerationResult | None,
         "model": (result.model if result is not None and result.model else request.model) or "",
         "output": [] if result is None else output_items(request, result, job_id),
         "parallel_tool_calls": request.parallel_tool_calls, "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": request.chat_template_kwargs.get(EFFORT), "summary": None},
         "temperature": request.sampling.temperature, "top_p": request.sampling.top_p, "text": text_echo(request),
         "tool_choice": tool_choice_echo(request), "tools": tools_echo(request),
         "truncation": "disabled", "metadata": dict(request.metadata), "user": request.user,

@@ -1,0 +1,126 @@
+"""lm-evaluation-harness scores a model served by batcher as it scores the model itself: its `local-completions` backend
+against a real `batcher serve` and `batcher worker` (fp32), on a multiple-choice loglikelihood task of our own from
+local files, equals its Hugging Face backend on the same tiny model: every per-sample loglikelihood within 1e-3, and
+the accuracy exactly.
+
+It scores a continuation with `echo`, `logprobs` and `max_tokens` 1 on /v1/completions, and reads the prompt's logprobs
+(workers/engine/logprobs.py) past the context's length."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.test_workers import start_worker, stop, wait_ready
+from tests.jobs_support import wait_for
+from tests.reliability.support import free_port
+from tests.tiny_models import build_tiny_model
+
+lm_eval = pytest.importorskip("lm_eval")
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+QUEUE = "lm-eval"
+MODEL = "tiny-eval"
+TASK = "batcher_tiny_choice"
+LOGLIKELIHOOD_TOLERANCE = 1e-3
+# Multiple-choice questions of our own (none from the tiny models' training text): sums, colours, opposites
+ADDENDS = [(2, 3), (4, 1), (6, 2), (3, 3), (5, 4), (1, 7), (2, 6), (8, 1), (4, 4), (3, 5)]
+OPPOSITES = [("hot", "cold"), ("up", "down"), ("left", "right"), ("day", "night"), ("big", "small"),
+             ("early", "late"), ("open", "closed"), ("fast", "slow"), ("wet", "dry"), ("light", "dark")]
+TASK_YAML = """task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {docs}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def documents() -> list[dict]:
+    docs = []
+    for i, (a, b) in enumerate(ADDENDS):
+        wrong = [a + b + 1, a + b + 2, abs(a - b)]
+        choices = [f" {n}" for n in wrong[: i % 3] + [a + b] + wrong[i % 3 :]]
+        docs.append({"question": f"Question: what is {a} plus {b}\nAnswer:", "choices": choices, "label": i % 3})
+    for i, (word, opposite) in enumerate(OPPOSITES):
+        others = [w for _, w in OPPOSITES if w != opposite][i % 5 : i % 5 + 2]
+        choices = [f" {w}" for w in others[: i % 3] + [opposite] + others[i % 3 :]]
+        docs.append({"question": f"Question: the opposite of {word} is\nAnswer:", "choices": choices,
+                     "label": i % 3})
+    return docs
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm-eval-task")
+    docs = folder / "docs.jsonl"
+    docs.write_text("".join(json.dumps(d) + "\n" for d in documents()))
+    (folder / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, docs=docs))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(e2e_redis, tmp_path_factory):
+    """A tiny Llama served in fp32 by a worker and a gateway: (its directory, the completions url)."""
+    url, connection = e2e_redis
+    logs = tmp_path_factory.mktemp("lm-eval-logs")
+    model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("lm-eval-model"))
+    name, worker = start_worker(url, model_dir, QUEUE, logs / "worker.log", 4, "--served-model-name", MODEL)
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
+                                "--queue", QUEUE], stdout=subprocess.DEVNULL, stderr=(logs / "gateway.log").open("w"))
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_ready(connection, name, worker)
+        wait_for(lambda: _lists(base, gateway), 60, "the gateway to list the worker's model")
+        yield model_dir, f"{base}/completions"
+    finally:
+        stop(gateway)
+        stop(worker)
+
+
+def _lists(base: str, gateway: subprocess.Popen) -> bool:
+    import requests
+
+    assert gateway.poll() is None, "the gateway exited"
+    try:
+        return MODEL in [m["id"] for m in requests.get(f"{base}/models", timeout=5).json()["data"]]
+    except requests.RequestException:
+        return False
+
+
+def evaluate(task_dir, model: str, model_args: str) -> dict:
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], batch_size=1, device="cpu",
+                                   log_samples=True,
+                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
+
+
+def loglikelihoods(results: dict) -> dict[int, list[float]]:
+    """Each document's loglikelihood of each choice."""
+    return {s["doc_id"]: [r[0] for r in s["filtered_resps"]] for s in results["samples"][TASK]}
+
+
+def test_lm_eval_through_the_gateway_equals_its_hugging_face_backend(served, task_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    model_dir, completions_url = served
+    reference = evaluate(task_dir, "hf", f"pretrained={model_dir},dtype=float32")
+    through = evaluate(task_dir, "local-completions",
+                       f"model={MODEL},base_url={completions_url},tokenizer={model_dir},tokenizer_backend=huggingface,"
+                       "tokenized_requests=False,num_concurrent=1,max_retries=1")
+    expected, got = loglikelihoods(reference), loglikelihoods(through)
+    assert sorted(got) == sorted(expected) == list(range(len(documents())))
+    for doc_id, values in expected.items():
+        assert got[doc_id] == pytest.approx(values, abs=LOGLIKELIHOOD_TOLERANCE), doc_id
+    assert through["results"][TASK]["acc,none"] == reference["results"][TASK]["acc,none"]
