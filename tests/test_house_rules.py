@@ -26,7 +26,7 @@ SEQUENCE_WRITERS = ("rqbatcher.workers.scheduler.scheduler", "rqbatcher.workers.
 # The loose core modules (and tools/): the vocabulary every folder may import, importing nothing above it
 BASE = "base"
 BASE_MODULES = {"rqbatcher", "schema", "sampling_params", "service_class", "errors", "config", "constraints",
-                "logit_bias", "response_format", "reasoning", "tools",
+                "logit_bias", "response_format", "reasoning", "answer_reader", "tools",
                 "data"}  # data: the bundled sample requests, no code
 # DESIGN.md section 2, one way only: cli -> gateway -> client -> batches/webhooks -> jobs -> schema; openai -> schema;
 # workers.job_worker -> workers.engine (its api only); workers.engine -> workers.scheduler, workers.model -> kernels.

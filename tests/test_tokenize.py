@@ -75,8 +75,8 @@ def test_the_tokenize_job_of_a_generation_keeps_what_renders_its_prompt_and_drop
     generation = GenerationRequest(messages=CHAT, tools=[WEATHER], tool_choice="none", model=MODEL,
                                    chat_template_kwargs={"enable_thinking": False},
                                    sampling=SamplingParams(max_tokens=5, temperature=0.7),
-                                   response_format={"type": "json_object"})
-    job = tokenize_job(generation, "tenant-a")
+                                   response_format={"type": "json_object"}, tenant="tenant-a")
+    job = tokenize_job(generation)
     assert job.tokenize_only and job.tenant == "tenant-a" and job.sampling == SamplingParams()
     assert job.response_format is None
     kept = ("messages", "tools", "tool_choice", "model", "chat_template_kwargs")

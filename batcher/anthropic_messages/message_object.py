@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 
-from rqbatcher.reasoning import split_answer, thinking_enabled
-from rqbatcher.schema import ChatFormat, GenerationRequest, GenerationResult, Usage
-from rqbatcher.tools.calls import CALL_ID_PREFIX, Call, read_answer
+from rqbatcher.answer_reader import read_whole
+from rqbatcher.schema import GenerationRequest, GenerationResult, Usage
+from rqbatcher.tools.calls import CALL_ID_PREFIX, Call
 
 MESSAGE_ID_PREFIX = "msg_"
 TOOL_USE_ID_PREFIX = "toolu_"
@@ -53,15 +53,9 @@ def tool_use_block(call: Call) -> dict:
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
 
 
-def reasoning_format(chat_format: ChatFormat | None) -> str | None:
-    return None if chat_format is None else chat_format.reasoning
-
-
 def message_object(result: GenerationResult, job_id: str, model: str, request: GenerationRequest) -> dict:
     """The Message answering a whole result of `request`."""
-    reasoning, answer = split_answer(result.text, reasoning_format(result.chat_format),
-                                     thinking_enabled(request.chat_template_kwargs))
-    text, calls = read_answer(answer, job_id, 0, request.calls_tools, result.chat_format)
+    reasoning, text, calls = read_whole(result.text, job_id, 0, request, result.chat_format)
     content = [] if reasoning is None else [thinking_block(reasoning)]
     content += [{"type": "text", "text": text}] if text else []
     content += [tool_use_block(call) for call in calls]

@@ -10,6 +10,7 @@ gives a tool_use block per call, its arguments as input_json_delta pieces.
 
 from __future__ import annotations
 
+from rqbatcher.answer_reader import AnswerReader
 from rqbatcher.anthropic_messages.anthropic_errors import sse
 from rqbatcher.anthropic_messages.message_object import (
     message_id,
@@ -18,9 +19,8 @@ from rqbatcher.anthropic_messages.message_object import (
     tool_use_id,
     usage_object,
 )
-from rqbatcher.reasoning import ReasoningSplitter, thinking_enabled
 from rqbatcher.schema import ChatFormat, GenerationRequest, Usage
-from rqbatcher.tools.calls import CallDelta, CallReader
+from rqbatcher.tools.calls import CallDelta
 
 THINKING, TEXT, TOOL_USE = "thinking", "text", "tool_use"
 PING = sse("ping", {"type": "ping"})
@@ -31,18 +31,14 @@ class MessageEvents:
 
     def __init__(self, job_id: str, model: str, request: GenerationRequest) -> None:
         self.job_id, self.model = job_id, model
-        self.reader = CallReader(job_id, 0, request.calls_tools)
-        self.thinking = thinking_enabled(request.chat_template_kwargs)
-        self.splitter = ReasoningSplitter(None)  # until `read_as` names the model's reasoning markers
+        self.reader = AnswerReader(job_id, 0, request)
         self.started = False
         self.index = -1  # of the open content block, or the last one closed
         self.open: str | None = None  # the open block's type
 
     def read_as(self, chat_format: ChatFormat) -> None:
         """Read the answer as the model writes it (a rerun's `start` names the same format: reading goes on)."""
-        self.reader.chat_format = chat_format
-        if self.splitter.format is None:
-            self.splitter = ReasoningSplitter(chat_format.reasoning, self.thinking)
+        self.reader.read_as(chat_format)
 
     def start(self, usage: Usage | None) -> list[bytes]:
         """message_start with the prompt's usage, and a ping, as Anthropic sends them."""
@@ -54,14 +50,13 @@ class MessageEvents:
 
     def text(self, delta: str) -> list[bytes]:
         """The events of new answer text (none while it may still open a marker or a call)."""
-        reasoning, rest = self.splitter.feed(delta)
-        return self._thinking(reasoning) + self._blocks(*self.reader.feed(rest))
+        reasoning, content, calls = self.reader.feed(delta)
+        return self._thinking(reasoning) + self._blocks(content, calls)
 
     def finish(self, finish_reason: str, usage: Usage | None) -> list[bytes]:
         """What was held back, the last block's end, message_delta and message_stop."""
-        reasoning, rest = self.splitter.finish()
-        events = self._thinking(reasoning) + self._blocks(*self.reader.feed(rest))
-        events += self._blocks(*self.reader.finish()) + self._close()
+        reasoning, content, calls = self.reader.finish()
+        events = self._thinking(reasoning) + self._blocks(content, calls) + self._close()
         delta = {"stop_reason": stop_reason(finish_reason, self.reader.made_calls), "stop_sequence": None}
         events.append(sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_object(usage)}))
         return [*events, sse("message_stop", {"type": "message_stop"})]

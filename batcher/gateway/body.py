@@ -10,12 +10,15 @@ no answer or Redis key could hold it.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 
 from rqbatcher.gateway.error_objects import ApiError, too_large
 from rqbatcher.gateway.numbers import number_of
+
+T = TypeVar("T")
 
 DRAIN_LIMIT_BYTES = 64 * 2**20
 # OpenAI's bodies nest a few levels, a tool's or response format's JSON schema a few dozen: deeper is refused before
@@ -65,6 +68,16 @@ class BodyReader:
             self._done = not message.get("more_body", False)
             if message.get("body"):
                 yield message["body"]
+
+
+async def read_parsed(request: Request, parse: Callable[[dict], T], refusal: type[Exception]) -> T:
+    """The request's JSON body read by `parse` into what its route runs; a `refusal` `parse` raises (a message and
+    the `param` at fault) is a 400."""
+    body = await read_json(request, request.app.state.config.max_request_bytes)
+    try:
+        return parse(body)
+    except refusal as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
 
 
 async def read_json(request: Request, limit: int) -> dict:

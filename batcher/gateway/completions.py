@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from rqbatcher.answer_reader import AnswerReader
 from rqbatcher.gateway import job_streams
 from rqbatcher.gateway.body import read_json
 from rqbatcher.gateway.error_objects import SERVER_ERROR, ApiError, error_body
@@ -47,10 +48,9 @@ from rqbatcher.openai.batch_lines import (
 )
 from rqbatcher.openai.logprob_objects import chat_logprobs, completion_logprobs, echoed_logprobs
 from rqbatcher.openai.service_tiers import TIER_OF_CLASS
-from rqbatcher.reasoning import ReasoningSplitter, thinking_enabled
 from rqbatcher.schema import ChatFormat, GenerationRequest, StreamEvent, TokenLogprob, Usage
 from rqbatcher.service_class import class_of
-from rqbatcher.tools.calls import CallDelta, CallReader
+from rqbatcher.tools.calls import CallDelta
 
 DONE = b"data: [DONE]\n\n"
 
@@ -79,8 +79,6 @@ async def _complete(request: Request, url: str):
                        param="best_of")
     if stream and "prompt_logprobs" in body:  # (echo with logprobs streams the prompt's, in the legacy object)
         raise ApiError(400, "prompt_logprobs is not streamed: ask without stream", param="prompt_logprobs")
-    if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
-        generation = generation.model_copy(update={"tenant": request.state.tenant})
     tier = TIER_OF_CLASS[class_of(generation)]  # echoed, as OpenAI does
     model, job_id = await run_in_threadpool(app.state.jobs.submit, generation, request.state)
     created = int(time.time())
@@ -126,9 +124,7 @@ class Chunks:
                  request: GenerationRequest) -> None:
         n = request.sampling.n
         self.chat = url == CHAT_URL
-        self.readers = [CallReader(job_id, i, request.calls_tools) for i in range(n)] if self.chat else None
-        self.thinking = thinking_enabled(request.chat_template_kwargs)
-        self.splitters = [ReasoningSplitter(None) for _ in range(n)]  # until `read_as` names the format
+        self.readers = [AnswerReader(job_id, i, request) for i in range(n)] if self.chat else None
         self.echo = request.prompt if request.echo else None
         # an echo with logprobs holds its chunks until the end, which brings the prompt's logprobs its first one carries
         self.held: list[bytes] | None = [] if self.echo is not None and request.sampling.logprobs is not None else None
@@ -153,10 +149,8 @@ class Chunks:
     def read_as(self, chat_format: ChatFormat) -> None:
         """Read the answers as the model writes them (a chat job's `start` event names its format; a rerun's `start`
         names the same, and the answers read so far go on)."""
-        for reader in self.readers or ():  # its tool calls too (batcher/tools/formats.py)
-            reader.chat_format = chat_format
-        if self.chat and not any(splitter.format for splitter in self.splitters):
-            self.splitters = [ReasoningSplitter(chat_format.reasoning, self.thinking) for _ in range(self.n)]
+        for reader in self.readers or ():
+            reader.read_as(chat_format)
 
     def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
                 logprobs: list[TokenLogprob] | None = None, index: int = 0, calls: list[CallDelta] = (),
@@ -202,8 +196,7 @@ class Chunks:
         """A chunk of new text (None while a chat answer's first characters may still open a tool call)."""
         if self.readers is None:
             return self._hold(self._event([self._choice(delta, None, logprobs=logprobs, index=index)]))
-        reasoning, delta = self.splitters[index].feed(delta)
-        content, calls = self.readers[index].feed(delta) if delta else ("", [])
+        reasoning, content, calls = self.readers[index].feed(delta)
         if not reasoning and not content and not calls and not logprobs:
             return None
         return self._event([self._choice(content or None, None, logprobs=logprobs, index=index, calls=calls,
@@ -216,10 +209,7 @@ class Chunks:
         for i, reason in enumerate(reasons):
             reason = openai_finish_reason(reason)
             if self.readers is not None:
-                reasoning, rest = self.splitters[i].finish()
-                content, calls = self.readers[i].feed(rest) if rest else ("", [])
-                more, more_calls = self.readers[i].finish()
-                content, calls = content + more, calls + more_calls
+                reasoning, content, calls = self.readers[i].finish()
                 if reasoning or content or calls:
                     events.append(self._event([self._choice(content or None, None, index=i, calls=calls,
                                                             reasoning=reasoning)]))

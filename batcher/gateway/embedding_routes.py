@@ -35,8 +35,6 @@ async def create_embeddings(request: Request) -> JSONResponse:
         encoding_format = encoding_format_of(body)
     except BodyError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
-    if request.state.tenant is not None:  # fair share between tenants (batcher/jobs/fairness.py)
-        generation = generation.model_copy(update={"tenant": request.state.tenant})
     job_id = await run_in_threadpool(_enqueue, app.state.jobs, generation, request.state)
     try:
         result = await app.state.jobs.result_when_ended(request, job_id)

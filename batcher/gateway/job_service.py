@@ -95,9 +95,13 @@ class JobService:
 
     def enqueue(self, request: GenerationRequest, state=None, *, client: Client | None = None,
                 job_id: str | None = None) -> str:
-        """Enqueue the request's job once its tenant's limits admit it (RateLimited, a 429, otherwise); the admission
+        """Enqueue the request's job, as its HTTP request's tenant's (fair share between tenants:
+        batcher/jobs/fairness.py), once the tenant's limits admit it (RateLimited, a 429, otherwise); the admission
         is kept on the HTTP request's `state`."""
-        admitted = None if state is None else self.admission.admit(getattr(state, "tenant", None), request)
+        tenant = getattr(state, "tenant", None)
+        if tenant is not None:
+            request = request.model_copy(update={"tenant": tenant})
+        admitted = None if state is None else self.admission.admit(tenant, request)
         if admitted is not None:
             setattr(state, ADMISSION_FIELD, admitted)
         try:
@@ -168,7 +172,7 @@ class JobService:
         its ids in the result's `prompt_token_ids` (their count in `usage.prompt_tokens`) and, where it gave token
         ids, their text in `text`. The job is routed, limited and waited for as any (404 model_not_found, 429, 400
         with the worker's reason)."""
-        job = tokenize_job(generation, request.state.tenant)
+        job = tokenize_job(generation)
         _, job_id = await run_in_threadpool(self.submit, job, request.state)
         return await self.result_when_ended(request, job_id)
 
@@ -182,12 +186,12 @@ class JobService:
             raise ApiError(500, CANCELLED_MESSAGE, type=SERVER_ERROR, code="cancelled", headers=NO_RETRY) from None
 
 
-def tokenize_job(generation: GenerationRequest, tenant: str | None) -> GenerationRequest:
-    """The tokenize_only job of `generation`, the tenant's: what shapes only its answer (ANSWER_FIELDS) is dropped,
-    so its prompt is counted as a generation of it would read it."""
-    update = {"tokenize_only": True, **({"tenant": tenant} if tenant is not None else {})}
+def tokenize_job(generation: GenerationRequest) -> GenerationRequest:
+    """The tokenize_only job of `generation`: what shapes only its answer (ANSWER_FIELDS) is dropped, so its prompt
+    is counted as a generation of it would read it."""
     try:
-        return GenerationRequest.model_validate(generation.model_dump(mode="json", exclude=set(ANSWER_FIELDS)) | update)
+        return GenerationRequest.model_validate(generation.model_dump(mode="json", exclude=set(ANSWER_FIELDS))
+                                                | {"tokenize_only": True})
     except ValidationError as exc:
         raise ApiError(400, readable(exc)) from None
 

@@ -25,22 +25,19 @@ from rqbatcher.anthropic_messages.request_body import (
 )
 from rqbatcher.anthropic_messages.stream_events import MessageEvents
 from rqbatcher.gateway import job_streams
-from rqbatcher.gateway.body import read_json
+from rqbatcher.gateway.body import read_parsed
 from rqbatcher.gateway.completions import EventStreamResponse
 from rqbatcher.gateway.error_objects import ApiError
 from rqbatcher.gateway.job_service import CANCELLED_MESSAGE
-from rqbatcher.schema import ChatFormat, GenerationRequest
+from rqbatcher.schema import ChatFormat
 
 THINKING_UNSUPPORTED = "thinking is not supported by this model: it does not mark its reasoning"
 FAILED_MESSAGE = "the request failed"
 
 
 async def create_message(request: Request):
-    try:
-        parsed = parse_messages_body(await read_json(request, request.app.state.config.max_request_bytes))
-    except InvalidBody as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
-    generation = _for_tenant(parsed.generation, request)
+    parsed = await read_parsed(request, parse_messages_body, InvalidBody)
+    generation = parsed.generation
     jobs = request.app.state.jobs
     model, job_id = await run_in_threadpool(jobs.submit, generation, request.state)
     if parsed.stream:
@@ -53,10 +50,7 @@ async def create_message(request: Request):
 
 
 async def count_tokens(request: Request) -> JSONResponse:
-    try:
-        generation = parse_count_tokens_body(await read_json(request, request.app.state.config.max_request_bytes))
-    except InvalidBody as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
+    generation = await read_parsed(request, parse_count_tokens_body, InvalidBody)
     result = await request.app.state.jobs.tokenize(request, generation)  # the tenant's job
     return JSONResponse({"input_tokens": result.usage.prompt_tokens})
 
@@ -64,13 +58,6 @@ async def count_tokens(request: Request) -> JSONResponse:
 def reasons(chat_format: ChatFormat | None) -> bool:
     """Whether the model marks its reasoning (so `thinking` can be honoured)."""
     return chat_format is not None and chat_format.reasoning is not None
-
-
-def _for_tenant(generation: GenerationRequest, request: Request) -> GenerationRequest:
-    """The request with its tenant, for the fair share between tenants (batcher/jobs/fairness.py)."""
-    if request.state.tenant is None:
-        return generation
-    return generation.model_copy(update={"tenant": request.state.tenant})
 
 
 async def _relay(request: Request, job_id: str, events: MessageEvents, thinking: bool) -> AsyncIterator[bytes]:

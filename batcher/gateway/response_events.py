@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 
+from rqbatcher.answer_reader import AnswerReader
 from rqbatcher.gateway.job_streams import AttemptDiverged, TextRelay
 from rqbatcher.openai.responses.response_items import (
     INCOMPLETE_FINISHES,
@@ -31,9 +32,8 @@ from rqbatcher.openai.responses.response_items import (
     text_part,
 )
 from rqbatcher.openai.responses.responses_body import RESPONSE_ID_PREFIX, finished_status, response_object
-from rqbatcher.reasoning import ReasoningSplitter, thinking_enabled
 from rqbatcher.schema import ChatFormat, GenerationRequest, GenerationResult, StreamEvent, Usage
-from rqbatcher.tools.calls import CallDelta, CallReader
+from rqbatcher.tools.calls import CallDelta
 
 REASONING_PLACE = {"output_index": 0, "content_index": 0}  # the reasoning item, when there is one, comes first
 
@@ -53,9 +53,8 @@ class ResponseEvents:
         self.ended = False
         self._started = False
         self._relay = TextRelay()
-        self._reader = CallReader(self.job_id, 0, request.calls_tools)
+        self._reader = AnswerReader(self.job_id, 0, request)
         self._chat_format: ChatFormat | None = None  # named by the job's `start`
-        self._splitter = ReasoningSplitter(None)
         self._reasoning: str | None = None  # the reasoning so far, while its item is open
         self._first = 0  # the output index of the answer's first item: 1 after a reasoning item
         self._text: str | None = None  # the message's text so far, once its item is open
@@ -74,9 +73,8 @@ class ResponseEvents:
             return []
         if event.type == "start":
             if event.chat_format is not None and self._chat_format is None:
-                self._chat_format = self._reader.chat_format = event.chat_format
-                self._splitter = ReasoningSplitter(event.chat_format.reasoning,
-                                                   thinking_enabled(self.request.chat_template_kwargs))
+                self._chat_format = event.chat_format
+                self._reader.read_as(event.chat_format)
             if self._started:
                 return []
             self._started = True
@@ -88,8 +86,8 @@ class ResponseEvents:
             return self._fail("failed", {"code": "server_error", "message": event.error or "the request failed"})
         try:
             if event.type == "token" and event.choice == 0:
-                reasoning, answer = self._splitter.feed(self._relay.delta(event))
-                return self._reasoning_piece(reasoning) + self._answer(answer)
+                reasoning, content, calls = self._reader.feed(self._relay.delta(event))
+                return self._reasoning_piece(reasoning) + self._pieces(content, calls)
             if event.type == "done":
                 self._relay.check_end()
                 return self._done(event)
@@ -118,9 +116,6 @@ class ResponseEvents:
                             **REASONING_PLACE, text=text),
                 self._event("response.output_item.done", output_index=0,
                             item={**reasoning_item(self.job_id, text, status), "content": [reasoning_part(text)]})]
-
-    def _answer(self, text: str) -> list[dict]:
-        return self._pieces(*self._reader.feed(text)) if text else []
 
     def _pieces(self, content: str, calls: list[CallDelta]) -> list[dict]:
         events = self._close_reasoning("completed") if content or calls else []
@@ -175,8 +170,8 @@ class ResponseEvents:
     def _done(self, event: StreamEvent) -> list[dict]:
         if event.finish_reason == "cancelled":
             return self._fail("cancelled", None)  # its status says why; OpenAI sets no error
-        reasoning, answer = self._splitter.finish()
-        events = self._reasoning_piece(reasoning) + self._answer(answer) + self._pieces(*self._reader.finish())
+        reasoning, content, calls = self._reader.finish()
+        events = self._reasoning_piece(reasoning) + self._pieces(content, calls)
         status = "incomplete" if event.finish_reason in INCOMPLETE_FINISHES else "completed"
         events += self._close_reasoning(status)  # an answer cut short inside its reasoning
         if not self._reader.made_calls and self._text is None:

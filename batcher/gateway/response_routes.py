@@ -91,10 +91,8 @@ async def create_response(request: Request):
     job_id = uuid.uuid4().hex  # letters and digits: a job id and a response id's suffix alike
     response_id = RESPONSE_ID_PREFIX + job_id
     echo = echo_fields(body)
-    update = {} if request.state.tenant is None else {"tenant": request.state.tenant}
-    if echo["background"]:
-        update["background_response"] = response_id  # its end is announced to its tenant's webhooks
-    generation = generation.model_copy(update=update)
+    if echo["background"]:  # its end is announced to its tenant's webhooks
+        generation = generation.model_copy(update={"background_response": response_id})
     created = int(time.time())
     model = await run_in_threadpool(_start, request, generation, job_id, body, echo, created)
     render = {"response_id": response_id, "created_at": created, **echo, "model": model}

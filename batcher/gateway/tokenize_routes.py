@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from rqbatcher.errors import dotted
-from rqbatcher.gateway.body import read_json
+from rqbatcher.gateway.body import read_parsed
 from rqbatcher.gateway.error_objects import ApiError
 from rqbatcher.gateway.job_service import FAILED_CODE
 from rqbatcher.openai.batch_lines import BodyError, chat_messages, unknown_fields, validated
@@ -40,11 +40,7 @@ UNKNOWN_CONTEXT = 0  # max_model_len when the answering worker published none
 
 
 async def tokenize(request: Request) -> JSONResponse:
-    body = await read_json(request, request.app.state.config.max_request_bytes)
-    try:
-        generation = tokenize_request(body)
-    except BodyError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
+    generation = await read_parsed(request, tokenize_request, BodyError)
     result = await request.app.state.jobs.tokenize(request, generation)
     tokens = result.prompt_token_ids or []
     return JSONResponse({"count": len(tokens), "max_model_len": await _context_of(request, result),
@@ -52,11 +48,7 @@ async def tokenize(request: Request) -> JSONResponse:
 
 
 async def detokenize(request: Request) -> JSONResponse:
-    body = await read_json(request, request.app.state.config.max_request_bytes)
-    try:
-        generation = detokenize_request(body)
-    except BodyError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
+    generation = await read_parsed(request, detokenize_request, BodyError)
     try:
         result = await request.app.state.jobs.tokenize(request, generation)
     except ApiError as exc:  # a token id outside the vocabulary, named as the body names it

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rqbatcher.answer_reader import read_whole
 from rqbatcher.constraints import InvalidConstraint
 from rqbatcher.errors import names, quoted, readable, short_name
 from rqbatcher.openai.body_fields import GENERATION_KINDS, refusal
@@ -29,9 +30,8 @@ from rqbatcher.openai.logprob_objects import (
     requested,
 )
 from rqbatcher.openai.service_tiers import SERVICE_TIERS
-from rqbatcher.reasoning import split_answer, template_variables, thinking_enabled
+from rqbatcher.reasoning import template_variables
 from rqbatcher.schema import ChatFormat, Choice, GenerationRequest, GenerationResult, Usage
-from rqbatcher.tools.calls import read_answer
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -308,9 +308,7 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
     choices = result.choices or [Choice(index=0, text=result.text, token_ids=result.token_ids,
                                         finish_reason=result.finish_reason, logprobs=result.logprobs)]
     if endpoint == CHAT_URL:
-        reasoning = reasoning_format(result, request)
-        shaped = [_chat_choice(c, request_id or "", request is not None and request.calls_tools, reasoning,
-                               result.chat_format) for c in choices]
+        shaped = [_chat_choice(c, request_id or "", request, result.chat_format) for c in choices]
         body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
     else:
         echoed = request.prompt if request is not None and request.echo else ""
@@ -329,18 +327,11 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
     return body
 
 
-def reasoning_format(result: GenerationResult, request: GenerationRequest | None) -> str | None:
-    """The reasoning format an answer is read with: the model's, unless the request turned its thinking off."""
-    thinking = request is None or thinking_enabled(request.chat_template_kwargs)
-    return result.chat_format.reasoning if result.chat_format is not None and thinking else None
-
-
-def _chat_choice(choice: Choice, request_id: str, reads_calls: bool, reasoning_format: str | None,
+def _chat_choice(choice: Choice, request_id: str, request: GenerationRequest | None,
                  chat_format: ChatFormat | None) -> dict:
     """A chat choice: its reasoning apart (as `reasoning_content`, and vLLM's newer `reasoning`), then its text as
     content, or the tool calls it made in the model's format (finish_reason `tool_calls`)."""
-    reasoning, answer = split_answer(choice.text, reasoning_format)
-    content, calls = read_answer(answer, request_id, choice.index, reads_calls, chat_format)
+    reasoning, content, calls = read_whole(choice.text, request_id, choice.index, request, chat_format)
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if reasoning is not None:
         message["reasoning_content"] = message["reasoning"] = reasoning

@@ -9,14 +9,10 @@ It scores a continuation with `echo`, `logprobs` and `max_tokens` 1 on /v1/compl
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.e2e.test_workers import start_worker, stop, wait_ready
-from tests.jobs_support import wait_for
-from tests.reliability.support import free_port
+from tests.e2e.gateway_pool import serving
 from tests.tiny_models import build_tiny_model
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -73,32 +69,11 @@ def task_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(e2e_redis, tmp_path_factory):
-    """A tiny Llama served in fp32 by a worker and a gateway: (its directory, the completions url)."""
-    url, connection = e2e_redis
-    logs = tmp_path_factory.mktemp("lm-eval-logs")
+    """A tiny Llama served in fp32 by a worker and a gateway without keys (lm-eval's local-completions sends none):
+    (its directory, the completions url)."""
     model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("lm-eval-model"))
-    name, worker = start_worker(url, model_dir, QUEUE, logs / "worker.log", 4, "--served-model-name", MODEL)
-    port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "rqbatcher", "serve", "--port", str(port), "--redis-url", url,
-                                "--queue", QUEUE], stdout=subprocess.DEVNULL, stderr=(logs / "gateway.log").open("w"))
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_ready(connection, name, worker)
-        wait_for(lambda: _lists(base, gateway), 60, "the gateway to list the worker's model")
-        yield model_dir, f"{base}/completions"
-    finally:
-        stop(gateway)
-        stop(worker)
-
-
-def _lists(base: str, gateway: subprocess.Popen) -> bool:
-    import requests
-
-    assert gateway.poll() is None, "the gateway exited"
-    try:
-        return MODEL in [m["id"] for m in requests.get(f"{base}/models", timeout=5).json()["data"]]
-    except requests.RequestException:
-        return False
+    with serving(e2e_redis, model_dir, tmp_path_factory.mktemp("lm-eval-logs"), QUEUE, MODEL, (), 4) as (base, _):
+        yield model_dir, f"{base}/v1/completions"
 
 
 def evaluate(task_dir, model: str, model_args: str) -> dict:

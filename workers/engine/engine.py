@@ -124,7 +124,6 @@ class Engine:
         for req, end in zip(requests, ends):
             self._requests[req.seq.request_id] = req
             self.sampler.admit(req.seq)
-            self.logprobs.admit(req.seq)
             if end is None:
                 self.scheduler.add(req.seq)
         self.choices.register(request_id, [sequence_id for sequence_id, _ in sequences], request.sampling)
@@ -204,8 +203,8 @@ class Engine:
         computed, sampled, outputs = self._run(plan)
         outputs = ready + outputs
         finished = set(self.scheduler.update(computed, sampled))
-        outputs += [self._finish(self._requests[seq.request_id], "length") for seq in self.logprobs.ended()]
         outputs += [out for seq in finished if seq.embed and (out := self.embeddings.finish(seq)) is not None]
+        outputs += [self._finish(self._requests[s.request_id], "length") for s in finished if s.scores_prompt_only]
         for seq, token in sampled.items():
             req = self._requests[seq.request_id]
             try:
@@ -303,7 +302,7 @@ class Engine:
         self.logprobs.record(captured, seqs, tokens)
         for seq, rows in self.runner.embedding_rows.items():  # last: a step that failed before pools nothing
             self.embeddings.pool(seq, rows)
-        return self.logprobs.drop_prefill_only(dict(zip(seqs, tokens)))  # max_tokens 0 draws no token
+        return dict(zip(seqs, tokens))
 
     def _accept(self, req: _Request, token: int, finished: bool) -> RequestOutput:
         """Detokenize the token the scheduler took; a stop string or a complete grammar ends the request here."""

@@ -9,8 +9,8 @@ alternatives until the engine takes the token (`pop`). A step where no sequence 
 The prompt's logprobs (`GenerationRequest.prompt_logprobs`) come from the prefill the job runs anyway: the runner
 projects every prompt position of an asking sequence's chunks (`ModelRunner.prompt_logits`), `record_prompt` keeps
 each prompt token's logprob, rank and top alternatives (the first token has none: nothing predicts it), and the
-request's last output carries them (`prompt_part`). A sequence with `max_tokens` 0 ends after its prefill: the
-engine drops the token drawn there (`prefill_only`).
+request's last output carries them (`prompt_part`). A sequence with `max_tokens` 0 is prefill-only: the scheduler
+ends it once its prompt is computed, drawing no token (`Sequence.prefill_only`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ class Logprobs:
         self._texts: dict[int, str] = {}
         self._pending: dict[str, TokenLogprob] = {}
         self._prompts: dict[str, list[TokenLogprob | None]] = {}  # by request, one per prompt token
-        self._prefill_only: dict[str, Sequence] = {}  # max_tokens 0, until their prompt is computed
-        self._ended: list[Sequence] = []  # of those, the ones whose drawn token this step dropped
 
     def capture(self, logits: torch.Tensor, seqs: list[Sequence],
                 prompt_logits: dict[Sequence, tuple[int, torch.Tensor]] | None = None) -> Captured | None:
@@ -74,23 +72,6 @@ class Logprobs:
         """The logprobs of the token the request was last given (None if it did not ask)."""
         return self._pending.pop(request_id, None)
 
-    def admit(self, seq: Sequence) -> None:
-        if seq.sampling.max_tokens == 0:
-            self._prefill_only[seq.request_id] = seq
-
-    def drop_prefill_only(self, sampled: dict[Sequence, int]) -> dict[Sequence, int]:
-        """`sampled` without the tokens drawn for `max_tokens` 0 sequences (their prompt is computed: they end)."""
-        if self._prefill_only:
-            self._ended += [seq for seq in self._prefill_only.values() if sampled.pop(seq, None) is not None]
-            for seq in self._ended:
-                self._prefill_only.pop(seq.request_id, None)
-        return sampled
-
-    def ended(self) -> list[Sequence]:
-        """The sequences `drop_prefill_only` ended since the last call: the engine finishes them (`length`)."""
-        ended, self._ended = self._ended, []
-        return ended
-
     def record_prompt(self, prompt_logits: dict[Sequence, tuple[int, torch.Tensor]]) -> None:
         """Keep the prompt tokens' logprobs of a step's prompt rows (`ModelRunner.prompt_logits`)."""
         for seq, (first, logits) in prompt_logits.items():
@@ -109,7 +90,6 @@ class Logprobs:
 
     def prompt_part(self, seq: Sequence) -> dict:
         """A request's prompt logprobs and token ids, for its last output ({} when it did not ask); forgets them."""
-        self._prefill_only.pop(seq.request_id, None)
         kept = self._prompts.pop(seq.request_id, None)
         if seq.prompt_logprobs is None:
             return {}

@@ -62,7 +62,7 @@ class StepPlan:
 
     def samples(self, seq: Sequence) -> bool:
         """Whether `seq` samples a token this step: its prompt (and output so far) is then fully computed."""
-        return not seq.embed and self.completes(seq)
+        return not seq.prefill_only and self.completes(seq)
 
     def completes(self, seq: Sequence) -> bool:
         """Whether `seq`'s tokens are all computed after this step (an embedding input's last chunk)."""
@@ -142,14 +142,14 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: dict[Sequence, int], now: float | None = None) -> list[Sequence]:
         """Advance the sequences of `plan` after its forward: every one computed its scheduled tokens, and
         each one in `sampled` got its next token at `now`. Return the sequences this finished (EOS, length, and
-        the embedding inputs whose last chunk this was: they free their slot at once, with no decode step)."""
+        the prefill-only sequences whose last chunk this was: they free their slot at once, with no decode step)."""
         now = time.monotonic() if now is None else now
         finished = []
         for seq, n in plan.num_tokens.items():
             seq.num_computed_tokens += n
-            if seq.embed and seq.num_uncomputed_tokens == 0 and not seq.is_finished:
+            if seq.prefill_only and seq.num_uncomputed_tokens == 0 and not seq.is_finished:
                 seq.first_token_time = seq.last_token_time = now
-                self.finish(seq, "stop")
+                self.finish(seq, "length" if seq.scores_prompt_only else "stop")
                 finished.append(seq)
         for seq, token in sampled.items():
             seq.token_ids.append(token)

@@ -52,6 +52,16 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids) + list(resumed_token_ids or ())
 
     @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0: only the prompt's logprobs are wanted; it ends once its prompt is computed, drawing nothing."""
+        return self.sampling.max_tokens == 0
+
+    @property
+    def prefill_only(self) -> bool:
+        """It ends once its prompt is computed, sampling nothing: an embedding input, or a prompt scored alone."""
+        return self.embed or self.scores_prompt_only
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from rqbatcher.answer_reader import read_whole
 from rqbatcher.errors import quoted
-from rqbatcher.openai.batch_lines import BodyError, reasoning_format
+from rqbatcher.openai.batch_lines import BodyError
 from rqbatcher.openai.body_fields import VERBOSITIES
-from rqbatcher.reasoning import split_answer
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
-from rqbatcher.tools.calls import CALL_ID_PREFIX, read_answer
+from rqbatcher.tools.calls import CALL_ID_PREFIX
 from rqbatcher.tools.definitions import NamedToolChoice
 
 INPUT = "input"  # the field named by a fault in an input item
@@ -243,10 +243,10 @@ def reasoning_part(text: str) -> dict:
 def output_items(request: GenerationRequest, result: GenerationResult, job_id: str) -> list[dict]:
     """The answer's output items: its reasoning, if the model wrote any, then its text as one message, or the calls
     it made (a call cut short by max_output_tokens is left out, as chat's whole answers leave it out)."""
-    reasoning, answer = split_answer(result.text, reasoning_format(result, request))
-    content, calls = read_answer(answer, job_id, 0, request.calls_tools, result.chat_format)
+    reasoning, content, calls = read_whole(result.text, job_id, 0, request, result.chat_format)
     status = "incomplete" if result.finish_reason in INCOMPLETE_FINISHES else "completed"
-    items = [] if reasoning is None else [reasoning_item(job_id, reasoning, status if answer == "" else "completed")]
+    answered = bool(content or calls)  # else it ended inside its reasoning
+    items = [] if reasoning is None else [reasoning_item(job_id, reasoning, "completed" if answered else status)]
     if calls:
         return items + [call_item(c.id, c.name, c.arguments, "completed") for c in calls]
     return items + [message_item(job_id, content or "", status)]
@@ -255,8 +255,7 @@ def output_items(request: GenerationRequest, result: GenerationResult, job_id: s
 def answer_messages(request: GenerationRequest, result: GenerationResult, job_id: str) -> list[ChatMessage]:
     """The answer as the assistant's turn of a conversation that goes on (previous_response_id), without its
     reasoning."""
-    content, calls = read_answer(split_answer(result.text, reasoning_format(result, request))[1], job_id, 0,
-                                 request.calls_tools, result.chat_format)
+    _, content, calls = read_whole(result.text, job_id, 0, request, result.chat_format)
     if calls:
         return [ChatMessage.model_validate({"role": "assistant", "tool_calls": [c.to_dict() for c in calls]})]
     return [ChatMessage(role="assistant", content=content or "")]
