@@ -168,7 +168,7 @@ def test_size_limits_are_enforced_with_clear_errors(fake_redis):
             {"prompt_token_ids": [5] * (MAX_PROMPT_TOKEN_IDS + 1)},
         "sampling.max_tokens: Input should be less than or equal to 32768":
             {"prompt": "hi", "sampling": {"max_tokens": MAX_TOKENS_LIMIT + 1}},
-        "sampling.max_tokens: Input should be greater than or equal to 1":
+        "sampling.max_tokens: Input should be greater than or equal to 0":
             {"prompt": "hi", "sampling": {"max_tokens": -1}},
     }
     for message, payload in cases.items():
