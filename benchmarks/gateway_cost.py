@@ -48,7 +48,7 @@ from benchmarks.batch_redis_cost import _batch_lines
 from benchmarks.private_redis import free_port, start_redis_server
 from rqbatcher.client import Client
 from rqbatcher.config import DTYPES
-from rqbatcher.openai.batch_lines import CHAT_ID_PREFIX
+from rqbatcher.openai.generation_answer import CHAT_ID_PREFIX
 from rqbatcher.schema import ChatMessage, GenerationRequest, SamplingParams
 from rqbatcher.workers.bench.record import PeakRss
 from rqbatcher.workers.bench.report import cpu_name

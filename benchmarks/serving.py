@@ -187,7 +187,7 @@ def worker_ttfts(redis_url: str, sent: list[report.Sent]) -> list[float]:
     """The worker's own time to first token of each request (its engine's, from admitting the job to the first
     token: the result's `timings.ttft_s`), read from Redis by the job id in the response id."""
     from rqbatcher.client import Client
-    from rqbatcher.openai.batch_lines import COMPLETION_ID_PREFIX
+    from rqbatcher.openai.generation_answer import COMPLETION_ID_PREFIX
 
     client = Client(redis_url, queue=QUEUE)
     return [client.result(r.response_id.removeprefix(COMPLETION_ID_PREFIX), timeout=30).timings.ttft_s * 1000
@@ -201,7 +201,7 @@ def engine_ttfts(s: Settings, bodies: list[dict]) -> list[float]:
     import torch
 
     from rqbatcher.config import EngineConfig
-    from rqbatcher.openai.batch_lines import COMPLETIONS_URL, parse_body
+    from rqbatcher.openai.generation_body import COMPLETIONS_URL, parse_body
     from rqbatcher.workers.engine.engine import build_engine
 
     torch.set_num_threads(s.threads)

@@ -22,13 +22,8 @@ from rqbatcher.constraints import (
     checked,
     json_schema_grammar,
 )
-from rqbatcher.openai.batch_lines import (
-    CHAT_URL,
-    BatchLineError,
-    BodyError,
-    parse_batch_line,
-    parse_body,
-)
+from rqbatcher.openai.batch_lines import BatchLineError, parse_batch_line
+from rqbatcher.openai.generation_body import CHAT_URL, BodyError, parse_body
 from rqbatcher.schema import GenerationRequest
 from tests.jobs_support import claim_database, release_database
 

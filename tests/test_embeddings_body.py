@@ -8,7 +8,6 @@ import struct
 
 import pytest
 
-from rqbatcher.openai.batch_lines import BodyError
 from rqbatcher.openai.embeddings_body import (
     MAX_EMBED_TOKENS,
     decode_vector,
@@ -16,6 +15,7 @@ from rqbatcher.openai.embeddings_body import (
     encoding_format_of,
     parse_embeddings_body,
 )
+from rqbatcher.openai.generation_body import BodyError
 from rqbatcher.schema import MAX_EMBED_INPUTS, GenerationResult, Usage
 
 VECTOR = [0.5, -1.25, 3.0]

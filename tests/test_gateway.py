@@ -27,7 +27,7 @@ from rqbatcher.gateway.job_streams import AttemptDiverged, TextRelay
 from rqbatcher.jobs import keys
 from rqbatcher.jobs.durability import NotReplicated
 from rqbatcher.jobs.worker_stats import WorkerStats
-from rqbatcher.openai.batch_lines import response_body
+from rqbatcher.openai.generation_answer import response_body
 from rqbatcher.schema import GenerationRequest, GenerationResult, StreamEvent, Usage
 from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.fake_engine import FakeEngine, expected_text

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from rqbatcher.openai.batch_lines import BatchLineError, BodyError, parse_batch_line, parse_body
+from rqbatcher.openai.batch_lines import BatchLineError, parse_batch_line
+from rqbatcher.openai.generation_body import BodyError, parse_body
 
 
 def line(body, url="/v1/completions", **extra):

@@ -15,7 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rqbatcher.gateway.app import GatewayConfig, create_app
 from rqbatcher.gateway.auth import ApiKeys
 from rqbatcher.jobs import keys
-from rqbatcher.openai.batch_lines import BodyError, parse_batch_line, parse_body, response_body, success_line
+from rqbatcher.openai.batch_lines import parse_batch_line, success_line
+from rqbatcher.openai.generation_answer import response_body
+from rqbatcher.openai.generation_body import BodyError, parse_body
 from rqbatcher.schema import GenerationRequest, GenerationResult, SamplingParams, TokenLogprob, TopLogprob, Usage
 from rqbatcher.workers.job_worker.worker import JobWorker
 from tests.engine_helpers import engine_for, random_prompts, run_all

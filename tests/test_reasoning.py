@@ -18,7 +18,8 @@ from tokenizers import AddedToken
 from rqbatcher.gateway.app import GatewayConfig, create_app
 from rqbatcher.gateway.auth import ApiKeys
 from rqbatcher.jobs import keys
-from rqbatcher.openai.batch_lines import CHAT_URL, BodyError, parse_body, response_body
+from rqbatcher.openai.generation_answer import response_body
+from rqbatcher.openai.generation_body import CHAT_URL, BodyError, parse_body
 from rqbatcher.openai.responses.responses_body import parse_responses_body
 from rqbatcher.reasoning import (
     MAX_REASONING_SHARE,

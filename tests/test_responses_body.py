@@ -10,7 +10,7 @@ from pydantic import TypeAdapter
 
 from rqbatcher.gateway.response_events import ResponseEvents
 from rqbatcher.gateway.response_records import ResponseNotFound, ResponseRecord, ResponseRecords
-from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.generation_body import BodyError
 from rqbatcher.openai.responses.response_items import answer_messages, input_items
 from rqbatcher.openai.responses.responses_body import echo_fields, parse_responses_body, response_object
 from rqbatcher.schema import ChatMessage, GenerationResult, StreamEvent, Usage

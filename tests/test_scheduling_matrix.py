@@ -102,12 +102,25 @@ def test_quick_keeps_every_question_of_doc_qas_first_documents():
 def test_a_recorded_report_reads_back_into_the_same_table_and_verdicts():
     rows = throughput_rows(180.0, 202.0, report.SUMMARISE)
     out = {"machine": {"cpu": "AMD EPYC", "cpus": 2, "flags": ["avx2"], "torch": "2"}, "model": "smollm2",
-           "dtype": "float32", "threads": 1, "slots": 32, "quick": True, "minutes": 1.0,
+           "dtype": "float32", "threads": 1, "slots": 32, "quick": True, "rounds": 2, "minutes": 1.0,
            "rows": [r.as_dict() for r in rows], "verdicts": report.verdicts(rows)}
     text = matrix.markdown(json.loads(json.dumps(out)))
-    assert "AMD EPYC, 2 CPUs (avx2)" in text and "--quick" in text
+    assert "AMD EPYC, 2 CPUs (avx2)" in text and "--quick" in text and "best of 2 alternated round(s)" in text
     assert report.table(rows) in text
     assert "- MISSED: summarise: tok/s at the default >= 0.98x the target off (0.891x)" in text
+
+
+def test_rounds_alternate_the_settings_order_and_each_setting_keeps_its_best_round():
+    measured = iter([100.0, 90.0, 95.0, 101.0, 99.0, 97.0])  # round 1: A B; round 2: B A; round 3: A B
+    order = []
+
+    def run_one(setting: str) -> Row:
+        order.append(setting)
+        return Row(report.DOC_QA, setting, "interactive", tok_s=next(measured))
+
+    rows = matrix.best_rounds(report.DOC_QA, [], [DEFAULT, TARGET_OFF], 3, run_one)
+    assert order == [DEFAULT, TARGET_OFF, TARGET_OFF, DEFAULT, DEFAULT, TARGET_OFF]
+    assert [(r.setting, r.tok_s) for r in rows] == [(DEFAULT, 101.0), (TARGET_OFF, 97.0)]
 
 
 def test_unknown_workloads_and_settings_are_refused_with_the_choices():

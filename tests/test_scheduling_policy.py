@@ -12,25 +12,35 @@ import pytest
 from rqbatcher.schema import SamplingParams
 from rqbatcher.service_class import BATCH, INTERACTIVE, RANK
 from rqbatcher.workers.scheduler import step_budget
-from rqbatcher.workers.scheduler.preemption import FAIRNESS_INTERVAL_S, NEAR_END_TOKENS
+from rqbatcher.workers.scheduler.preemption import FAIRNESS_INTERVAL_S, NEAR_END_S
 from rqbatcher.workers.scheduler.sequence import Sequence
 from tests.test_scheduler import make
-from tests.test_step_budget import BASE_S, DECODE_ROW_S, PROMPT_TOKEN_S, step_at, tenant_seq, trained, true_cost
+from tests.test_step_budget import (
+    BASE_S,
+    DECODE_ROW_S,
+    PROMPT_TOKEN_S,
+    ending_within,
+    step_at,
+    tenant_seq,
+    trained,
+    true_cost,
+)
 
 TOKEN = 7
 _unique = itertools.count(10_000_000, 100_000)
 
 
 class FakeDevice:
-    """Drives a scheduler: each step takes its true cost on the fake clock, which the cost model then learns."""
+    """Drives a scheduler: each step takes its true cost (times `slowdown`: a slower device) on the fake clock,
+    which the cost model then learns."""
 
-    def __init__(self, sched) -> None:
-        self.sched, self.now = sched, 0.0
+    def __init__(self, sched, slowdown: float = 1.0) -> None:
+        self.sched, self.now, self.slowdown = sched, 0.0, slowdown
 
     def step(self):
         plan = self.sched.schedule(now=self.now)
         decode_rows = sum(1 for n in plan.num_tokens.values() if n == 1)
-        seconds = true_cost(plan.total_tokens - decode_rows, decode_rows)
+        seconds = self.slowdown * true_cost(plan.total_tokens - decode_rows, decode_rows)
         self.now += seconds
         self.sched.update(plan, {s: TOKEN for s in plan.num_tokens if plan.samples(s)}, now=self.now)
         self.sched.record_step(plan, seconds)
@@ -198,8 +208,29 @@ def test_each_of_a_tenants_consecutive_requests_in_a_flood_is_admitted_within_on
     assert sched.fairness_preemptions == 3, "every one of B's requests was judged, not only the first"
 
 
+def test_on_a_slow_device_requests_a_few_tokens_from_their_end_still_give_way_for_fairness():
+    """A flood of short requests: at times every one of A's is a few tokens from its end. Where a decode step takes
+    most of a second, a few tokens are seconds: no reason to keep B waiting. Each of B's requests is judged."""
+    sched = make(num_blocks=4000, max_num_seqs=8, max_num_batched_tokens=512, min_batch_share=0.0)
+    device = FakeDevice(sched, slowdown=10.0)  # an 8-row decode step: 0.6 s
+    for i in range(200):
+        sched.add(tenant_seq(f"a{i}", "A", max_tokens=32, prompt_len=30))
+    for i in range(3):  # B's requests one after another
+        device.run_until(lambda: len(sched.running) == 8 and all(s.num_uncomputed_tokens == 1 for s in sched.running))
+        for s in sched.running:
+            ending_within(s, 4 * sched.decode_step_s, sched.decode_step_s)  # 4 tokens: 2.4 s
+        b = tenant_seq(f"b{i}", "B", max_tokens=5, prompt_len=30)
+        b.arrival_time = device.now
+        sched.add(b)
+        plan = device.step()
+        assert b in plan.num_tokens and plan.preempted, "admitted at the next step, by a fairness preemption"
+        assert b.first_token_time - b.arrival_time <= FAIRNESS_INTERVAL_S
+        device.run_until(lambda b=b: b.is_finished)
+    assert sched.fairness_preemptions == 3
+
+
 def test_a_sequence_gives_way_for_fairness_at_most_once_an_interval_and_the_waiter_gets_in_when_it_passes():
-    sched = make(num_blocks=400, max_num_seqs=3, min_batch_share=0.0)
+    sched = trained(make(num_blocks=400, max_num_seqs=3, min_batch_share=0.0))
     a = [tenant_seq(f"a{i}", "A", max_tokens=500) for i in range(3)]
     for s in a:
         sched.add(s)
@@ -210,7 +241,7 @@ def test_a_sequence_gives_way_for_fairness_at_most_once_an_interval_and_the_wait
     step_at(sched, 0.3)
     assert a[2] in sched.running
     for s in a[:2]:  # near their end: only a2 could give way, and it did 0.3 s ago
-        s.sampling = s.sampling.model_copy(update={"max_tokens": s.num_output_tokens + NEAR_END_TOKENS})
+        ending_within(s, NEAR_END_S, sched.decode_step_s)
     c = tenant_seq("c0", "C", max_tokens=2)
     sched.add(c)
     for now in (0.4, 0.5, 0.1 + FAIRNESS_INTERVAL_S - 0.01):

@@ -8,7 +8,7 @@ import pytest
 
 from rqbatcher.service_class import BATCH, INTERACTIVE, PRIORITY
 from rqbatcher.workers.scheduler import preemption, step_budget
-from rqbatcher.workers.scheduler.preemption import FAIRNESS_INTERVAL_S, NEAR_END_TOKENS
+from rqbatcher.workers.scheduler.preemption import FAIRNESS_INTERVAL_S, NEAR_END_S
 from rqbatcher.workers.scheduler.step_cost import StepCostModel
 from tests.engine_helpers import engine_for, greedy, random_prompts, reference_tokens, run_all
 from tests.test_scheduler import make, simulate_step
@@ -132,7 +132,7 @@ def test_a_tenant_holding_no_slot_preempts_one_sequence_of_the_most_served_tenan
     assert plan.preempted == [a[-1]] and b in plan.num_tokens, "A holds 3 of 4 slots: its latest gives way"
     assert sched.fairness_preemptions == 1 and sched.urgency_preemptions == {}
     assert a[-1] in sched.waiting and sched.fair_room == 1, "A's waiting sequence is no slotless tenant's"
-    assert preemption.fairness_victim("D", sched.running, sched.now, 4) is a[1], "A still holds the most"
+    assert preemption.fairness_victim("D", sched.running, sched.now, 0.0, 4) is a[1], "A still holds the most"
 
 
 def test_a_tenant_holding_one_slot_never_gives_it_up_for_fairness():
@@ -146,8 +146,13 @@ def test_a_tenant_holding_one_slot_never_gives_it_up_for_fairness():
     assert not simulate_step(sched).preempted and d in sched.waiting, "slots would only change hands"
 
 
+def ending_within(seq, seconds: float, step_s: float) -> None:
+    """Make `seq` reach its max_tokens in `seconds` of decode steps of `step_s`."""
+    seq.sampling = seq.sampling.model_copy(update={"max_tokens": seq.num_output_tokens + int(seconds / step_s)})
+
+
 def test_fairness_preemption_spares_sequences_near_their_end_and_preempts_one_at_most_once_an_interval():
-    sched = make(max_num_seqs=3, min_batch_share=0.0)
+    sched = trained(make(max_num_seqs=3, min_batch_share=0.0))
     a = [tenant_seq(f"a{i}", "A") for i in range(3)]
     for s in a:
         sched.add(s)
@@ -162,7 +167,7 @@ def test_fairness_preemption_spares_sequences_near_their_end_and_preempts_one_at
     sched.add(c)
     assert simulate_step(sched).preempted == [a[1]], "a2 gave way within the interval: the next latest does"
     for s in a:
-        s.sampling = s.sampling.model_copy(update={"max_tokens": s.num_output_tokens + NEAR_END_TOKENS})
+        ending_within(s, NEAR_END_S, sched.decode_step_s)
     d = tenant_seq("d0", "D")
     sched.add(d)
     assert sched.now - a[2].fairness_preempted_at < FAIRNESS_INTERVAL_S
@@ -179,7 +184,8 @@ def test_interactive_work_never_preempts_priority_work_for_fairness():
     assert sched.fair_room == 0 and not simulate_step(sched).preempted and b in sched.waiting
 
 
-def test_sequences_preempted_for_fairness_resume_to_the_same_greedy_tokens(tiny_model_dir):
+def test_sequences_preempted_for_fairness_resume_to_the_same_greedy_tokens(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(preemption, "NEAR_END_S", 0.0)  # a tiny model's 16 tokens all end within it
     model_dir = tiny_model_dir("llama")
     engine = engine_for(model_dir, max_num_seqs=3, max_num_batched_tokens=64, block_size=4)
     prompts = random_prompts(4, seed=34, min_len=5, max_len=20)

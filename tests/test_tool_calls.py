@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from rqbatcher.openai.batch_lines import CHAT_URL, BodyError, parse_body, response_body
+from rqbatcher.openai.generation_answer import response_body
+from rqbatcher.openai.generation_body import CHAT_URL, BodyError, parse_body
 from rqbatcher.schema import GenerationRequest, GenerationResult, Usage
 from rqbatcher.tools.calls import CallReader, call_id, read_answer
 from rqbatcher.tools.grammar import MAX_CALLS_PER_ANSWER, call_text, closed_objects

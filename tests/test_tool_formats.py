@@ -14,7 +14,8 @@ import pytest
 from rqbatcher.client import Client
 from rqbatcher.gateway.completions import Chunks, UsageOptions
 from rqbatcher.jobs import keys
-from rqbatcher.openai.batch_lines import CHAT_URL, response_body
+from rqbatcher.openai.generation_answer import response_body
+from rqbatcher.openai.generation_body import CHAT_URL
 from rqbatcher.schema import ChatFormat, GenerationRequest, GenerationResult, StreamEvent, Usage
 from rqbatcher.tools.calls import CallReader, call_id, read_answer
 from rqbatcher.tools.formats import FORMATS, tool_format

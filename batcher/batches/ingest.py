@@ -23,7 +23,8 @@ from rqbatcher.batches.store import BatchStore
 from rqbatcher.jobs import keys
 from rqbatcher.jobs.enqueue import Enqueuer, QueueFull
 from rqbatcher.openai.batch_endpoints import ENDPOINTS, parse_line
-from rqbatcher.openai.batch_lines import CHAT_URL, BatchLineError
+from rqbatcher.openai.batch_lines import BatchLineError
+from rqbatcher.openai.generation_body import CHAT_URL
 from rqbatcher.schema import BatchItem, GenerationRequest
 from rqbatcher.service_class import BATCH
 

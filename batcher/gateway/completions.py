@@ -1,10 +1,10 @@
 """/v1/completions and /v1/chat/completions: one job per request, answered when it ends, or streamed.
 
-The body is read by the batch lines' parser (`rqbatcher.openai.batch_lines.parse_body`) and answered with their
-`response_body`, so an HTTP answer and a batch output line never differ. The job service (job_service.py) checks
-the model (404 `model_not_found` at once unless a live worker of the gateway's queue serves it, rather than a
-request that hangs until some worker appears; a body without a model runs on any worker of the queue), enqueues the
-job and waits for its end, whose `done` event carries the answer.
+The body is read by the batch lines' parser (`rqbatcher.openai.generation_body.parse_body`) and answered with their
+`generation_answer.response_body`, so an HTTP answer and a batch output line never differ. The job service
+(job_service.py) checks the model (404 `model_not_found` at once unless a live worker of the gateway's queue serves
+it, rather than a request that hangs until some worker appears; a body without a model runs on any worker of the
+queue), enqueues the job and waits for its end, whose `done` event carries the answer.
 
 With `stream: true` the job's Redis stream is relayed as server-sent events in OpenAI's chunk format,
 ending with `data: [DONE]`; a failure is sent as an `{"error": ...}` event, which the official SDKs raise.
@@ -34,18 +34,15 @@ from rqbatcher.gateway import job_streams
 from rqbatcher.gateway.body import read_json
 from rqbatcher.gateway.error_objects import SERVER_ERROR, ApiError, error_body
 from rqbatcher.gateway.job_service import CANCELLED_MESSAGE, JobService
-from rqbatcher.openai.batch_lines import (
+from rqbatcher.openai.generation_answer import (
     CHAT_ID_PREFIX,
-    CHAT_URL,
     COMPLETION_ID_PREFIX,
-    COMPLETIONS_URL,
     TOOL_CALLS_FINISH,
-    BodyError,
     openai_finish_reason,
-    parse_body,
     response_body,
     usage_body,
 )
+from rqbatcher.openai.generation_body import CHAT_URL, COMPLETIONS_URL, BodyError, parse_body
 from rqbatcher.openai.logprob_objects import chat_logprobs, completion_logprobs, echoed_logprobs
 from rqbatcher.openai.service_tiers import TIER_OF_CLASS
 from rqbatcher.schema import ChatFormat, GenerationRequest, StreamEvent, TokenLogprob, Usage

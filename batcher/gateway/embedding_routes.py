@@ -18,8 +18,8 @@ from rqbatcher.gateway.body import read_json
 from rqbatcher.gateway.error_objects import ApiError
 from rqbatcher.gateway.job_service import FAILED_CODE, JobService
 from rqbatcher.jobs.worker_stats import WorkerStats
-from rqbatcher.openai.batch_lines import BodyError
 from rqbatcher.openai.embeddings_body import embeddings_object, encoding_format_of, parse_embeddings_body
+from rqbatcher.openai.generation_body import BodyError
 from rqbatcher.schema import GenerationRequest
 
 EMBED_TASK = "embed"  # in a worker's published `tasks`

@@ -37,7 +37,7 @@ from rqbatcher.gateway.response_records import (
     ResponseRecord,
     ResponseRecords,
 )
-from rqbatcher.openai.batch_lines import BodyError
+from rqbatcher.openai.generation_body import BodyError
 from rqbatcher.openai.responses.response_items import answer_messages, input_items
 from rqbatcher.openai.responses.responses_body import (
     RESPONSE_ID_PREFIX,

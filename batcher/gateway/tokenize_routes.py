@@ -23,7 +23,7 @@ from rqbatcher.errors import dotted
 from rqbatcher.gateway.body import read_parsed
 from rqbatcher.gateway.error_objects import ApiError
 from rqbatcher.gateway.job_service import FAILED_CODE
-from rqbatcher.openai.batch_lines import BodyError, chat_messages, unknown_fields, validated
+from rqbatcher.openai.generation_body import BodyError, chat_messages, unknown_fields, validated
 from rqbatcher.schema import GenerationRequest, GenerationResult
 
 # vLLM's rendering options, at the values a generation renders its prompt with: the tokenizer's special tokens

@@ -1,20 +1,14 @@
 """The endpoints a batch line may name, each with how its body becomes a job and how its finished job becomes the
-output line: chat completions and completions (batch_lines.py), responses (responses/responses_body.py) and embeddings
-(embeddings_body.py). The line's envelope (custom_id, method, url) is read in batch_lines.parse_batch_line.
+output line: chat completions and completions (generation_body.py and generation_answer.py), responses
+(responses/responses_body.py) and embeddings (embeddings_body.py). The line's envelope (custom_id, method, url)
+is read in batch_lines.parse_batch_line.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rqbatcher.openai.batch_lines import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    parse_batch_line,
-    parse_body,
-    response_body,
-    success_line,
-)
+from rqbatcher.openai.batch_lines import parse_batch_line, success_line
 from rqbatcher.openai.embeddings_body import (
     DEFAULT_ENCODING_FORMAT,
     EMBEDDINGS_URL,
@@ -22,6 +16,8 @@ from rqbatcher.openai.embeddings_body import (
     encoding_format_of,
     parse_embeddings_body,
 )
+from rqbatcher.openai.generation_answer import response_body
+from rqbatcher.openai.generation_body import CHAT_URL, COMPLETIONS_URL, parse_body
 from rqbatcher.openai.responses.responses_body import (
     RESPONSE_ID_PREFIX,
     RESPONSES_URL,

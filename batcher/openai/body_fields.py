@@ -87,7 +87,7 @@ MAX_SAFETY_IDENTIFIER_CHARS = 128  # OpenAI's
 MAX_STOP_SEQUENCES = 4  # OpenAI's (batcher's own limit is higher: sampling_params.MAX_STOP_STRINGS)
 MAX_TEMPERATURE = 2.0  # OpenAI's (batcher's own is higher)
 
-# Both generation endpoints (chat and completions): the fields batch_lines.IGNORED_BODY_FIELDS names, and those
+# Both generation endpoints (chat and completions): the fields generation_body.IGNORED_BODY_FIELDS names, and those
 # with a narrower range than the schema's
 GENERATION_KINDS = {
     "temperature": number_in(0, MAX_TEMPERATURE), "stop": strings(MAX_STOP_SEQUENCES), "stream": BOOLEAN,

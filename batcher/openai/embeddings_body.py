@@ -15,7 +15,7 @@ from array import array
 from typing import Any
 
 from rqbatcher.errors import quoted
-from rqbatcher.openai.batch_lines import BodyError, unknown_fields, validated
+from rqbatcher.openai.generation_body import BodyError, unknown_fields, validated
 from rqbatcher.schema import MAX_EMBED_INPUTS, GenerationRequest, GenerationResult
 
 EMBEDDINGS_URL = "/v1/embeddings"

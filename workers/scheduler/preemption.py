@@ -15,8 +15,9 @@ waits and no slot is free, one interactive sequence of the most-served tenant (t
 more than one and above its fair share of them) gives way. The engine counts service by slots held, where the
 worker's pick counts tokens (VTC): the pick chose the waiting request because its tenant was the least served.
 Bounded so that it never churns: a sequence is preempted for fairness at most once per FAIRNESS_INTERVAL_S
-(seconds of the scheduler's clock, so the bound means the same on a slow CPU and a fast GPU), never within
-NEAR_END_TOKENS of its end, and priority work is never preempted by interactive work. The bound is per victim, not
+(seconds of the scheduler's clock, so the bound means the same on a slow CPU and a fast GPU), never when it will
+end within NEAR_END_S at the measured decode step (in time too: eight tokens are a tenth of a second on a GPU and
+four seconds on a slow CPU), and priority work is never preempted by interactive work. The bound is per victim, not
 per tenant served: each request of a slotless tenant finds a victim among the most-served tenant's other sequences,
 however many of its requests came before, so it is admitted within one interval. Among waiting sequences of equal
 urgency, the one whose tenant holds the fewest slots is admitted first.
@@ -32,7 +33,7 @@ from rqbatcher.service_class import BATCH, INTERACTIVE, RANK
 
 BATCH_RANK = RANK[BATCH]
 FAIRNESS_INTERVAL_S = 1.0  # seconds between two fairness preemptions of one sequence, at least
-NEAR_END_TOKENS = 8  # a sequence this close to its max_tokens finishes rather than gives way
+NEAR_END_S = 0.25  # a sequence that will reach its max_tokens this soon finishes rather than gives way
 
 
 def batch_floor(min_batch_share: float, max_num_seqs: int) -> int:
@@ -83,10 +84,11 @@ def batch_deficit(running, waiting, floor: int) -> int:
     return max(0, floor - count_batch(running) - count_batch(waiting))
 
 
-def fairness_victim(tenant, running, now: float, max_num_seqs: int):
+def fairness_victim(tenant, running, now: float, step_s: float, max_num_seqs: int):
     """The running sequence to preempt so that an interactive request of `tenant`, which holds no slot, gets one:
     of the tenant holding the most interactive slots, above its fair share of them, the latest admitted that may
-    give way (`may_give_way`). None if `tenant` holds a slot, or there is no such sequence."""
+    give way (`may_give_way`; `step_s`: a decode step's measured time). None if `tenant` holds a slot, or there is
+    no such sequence."""
     if any(s.tenant == tenant for s in running):
         return None
     held = Counter(s.tenant for s in running if s.service_class == INTERACTIVE)
@@ -95,23 +97,24 @@ def fairness_victim(tenant, running, now: float, max_num_seqs: int):
         if slots <= max(1.0, share):  # one slot is never above a share: it would only change hands
             return None
         for seq in reversed(running):
-            if seq.tenant == most_served and seq.service_class == INTERACTIVE and may_give_way(seq, now):
+            if seq.tenant == most_served and seq.service_class == INTERACTIVE and may_give_way(seq, now, step_s):
                 return seq
     return None
 
 
-def may_give_way(seq, now: float) -> bool:
+def may_give_way(seq, now: float, step_s: float) -> bool:
     """Whether a sequence may be preempted for fairness at `now`: not preempted so within the interval, and not
-    about to finish."""
+    ending within NEAR_END_S, at `step_s` a token (0 while no step is measured: none is near its end)."""
     recent = seq.fairness_preempted_at is not None and now - seq.fairness_preempted_at < FAIRNESS_INTERVAL_S
-    return not recent and seq.sampling.max_tokens - seq.num_output_tokens > NEAR_END_TOKENS
+    ends_soon = step_s > 0 and (seq.sampling.max_tokens - seq.num_output_tokens) * step_s <= NEAR_END_S
+    return not recent and not ends_soon
 
 
 class _NewTenant:
     """A tenant no sequence has: what `fair_room` asks `fairness_victim` about."""
 
 
-def fair_room(running, waiting, now: float, max_num_seqs: int) -> int:
+def fair_room(running, waiting, now: float, step_s: float, max_num_seqs: int) -> int:
     """How many interactive requests of a tenant holding no slot the engine could take beyond its free slots (0 or
     1), each to preempt one sequence of the most-served tenant. 0 while one such request already waits."""
     if len(running) + len(waiting) < max_num_seqs:
@@ -119,4 +122,4 @@ def fair_room(running, waiting, now: float, max_num_seqs: int) -> int:
     holders = {s.tenant for s in running}
     if any(s.service_class == INTERACTIVE and s.tenant not in holders for s in waiting):
         return 0
-    return int(fairness_victim(_NewTenant(), running, now, max_num_seqs) is not None)
+    return int(fairness_victim(_NewTenant(), running, now, step_s, max_num_seqs) is not None)

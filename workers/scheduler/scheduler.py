@@ -118,7 +118,12 @@ class Scheduler:
         each to preempt one sequence of the most-served tenant."""
         if self.config.policy == "static":
             return 0
-        return preemption.fair_room(self.running, self.waiting, self.now, self.config.max_num_seqs)
+        return preemption.fair_room(self.running, self.waiting, self.now, self.decode_step_s, self.config.max_num_seqs)
+
+    @property
+    def decode_step_s(self) -> float:
+        """What a decode step of the running batch costs, as measured so far (0 before any step)."""
+        return self.step_cost.predict(0, len(self.running))
 
     @property
     def batch_deficit(self) -> int:
@@ -280,7 +285,7 @@ class Scheduler:
                     self.urgency_preemptions[victim.service_class] = (
                         self.urgency_preemptions.get(victim.service_class, 0) + 1)
                 elif seq.service_class == INTERACTIVE:
-                    victim = preemption.fairness_victim(seq.tenant, self.running, self.now,
+                    victim = preemption.fairness_victim(seq.tenant, self.running, self.now, self.decode_step_s,
                                                         self.config.max_num_seqs)
                     if victim is not None:
                         victim.fairness_preempted_at = self.now

@@ -18,8 +18,8 @@ from typing import Any
 
 from rqbatcher.answer_reader import read_whole
 from rqbatcher.errors import quoted
-from rqbatcher.openai.batch_lines import BodyError
 from rqbatcher.openai.body_fields import VERBOSITIES
+from rqbatcher.openai.generation_body import BodyError
 from rqbatcher.schema import ChatMessage, GenerationRequest, GenerationResult
 from rqbatcher.tools.calls import CALL_ID_PREFIX
 from rqbatcher.tools.definitions import NamedToolChoice

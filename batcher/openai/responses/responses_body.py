@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from rqbatcher.errors import quoted
-from rqbatcher.openai.batch_lines import BodyError, openai_metadata, service_class_of, unknown_fields, validated
 from rqbatcher.openai.body_fields import RESPONSES_KINDS, refusal
+from rqbatcher.openai.generation_body import BodyError, openai_metadata, service_class_of, unknown_fields, validated
 from rqbatcher.openai.responses.response_items import (
     INCOMPLETE_FINISHES,
     chat_response_format,
