@@ -1,6 +1,6 @@
-"""The package's metadata is in pyproject.toml; this adds one build step: the CPU kernels (kernels/csrc), both
-builds, compiled into the wheel's `rqbatcher/kernels/_prebuilt/` by `python -m rqbatcher.kernels.build`'s code,
-where torch and a C++ compiler are in the build environment.
+"""The package's metadata is in pyproject.toml; this adds one build step: the CPU kernels (kernels/csrc), every
+build (bf16, fp32, int8), compiled into the wheel's `rqbatcher/kernels/_prebuilt/` by
+`python -m rqbatcher.kernels.build`'s code, where torch and a C++ compiler are in the build environment.
 
 torch is deliberately not a build requirement: with pip's build isolation (the default) the build environment
 has setuptools only, so the wheel is the light, pure one (`pip install rqbatcher` for producers never pulls torch)

@@ -31,6 +31,12 @@ TASKS = (TASK_GENERATE, TASK_EMBED)  # what a worker serves: generated text, and
 Policy = Literal["continuous", "static"]
 POLICIES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The weights of the decoder's linears and the LM head: the model's dtype, or int8 per output channel with
+# activations quantized per block at each call (rqbatcher.workers.model.int8_linear); attention and the KV cache
+# keep the dtype either way.
+QUANTIZATION_NONE, QUANTIZATION_INT8 = "none", "int8"
+QUANTIZATIONS = (QUANTIZATION_NONE, QUANTIZATION_INT8)
+DEFAULT_QUANTIZATION = QUANTIZATION_NONE
 
 
 @dataclass
@@ -45,6 +51,7 @@ class EngineConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     max_model_len: int | None = None
     dtype: str = DEFAULT_DTYPE
+    quantization: str = DEFAULT_QUANTIZATION  # of QUANTIZATIONS
     device: str = DEFAULT_DEVICE
     policy: Policy = "continuous"
     compile: bool = False  # torch.compile the forward of small steps: faster steps, a slower start
@@ -71,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if unknown := [t for t in self.tasks if t not in TASKS]:
             raise ValueError(f"tasks are {', '.join(TASKS)}, got {', '.join(map(repr, unknown))}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -1,5 +1,5 @@
-"""The CPU kernels' builds (`kernels/csrc`): what each is made of (`BF16`, `FP32`), where a build lives, how a
-process finds one, and how one is made (`python -m rqbatcher.kernels.build`, the Docker image's build step).
+"""The CPU kernels' builds (`kernels/csrc`): what each is made of (`BF16`, `FP32`, `INT8`), where a build lives,
+how a process finds one, and how one is made (`python -m rqbatcher.kernels.build`, the Docker image's build step).
 
 A build lives in a folder keyed by what it is made of: torch's version, the Python ABI, and a digest of its
 sources, headers and compile flags, `<root>/<build name>/<torch>-<python>-<digest>/<build name>.so`. Builds of
@@ -52,6 +52,7 @@ CSRC = Path(__file__).parent / "csrc"
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
 FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
+INT8_BLOCK = 32  # int8_linear quantizes x per block of this many values along K (one AVX2 vector of int8)
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: `load(build)` runs in every kernel call
@@ -85,6 +86,10 @@ FP32 = Build("fp32", "batcher_fp32_kernels",
              # written out)
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
+# Linears on int8 weights (AVX2 integer dots), on every AVX2 CPU, AVX-512 ones included: no exclusion.
+INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("avx2.h",), ("avx2", "fma"), (),
+             ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DINT8_BLOCK={INT8_BLOCK}"))
+BUILDS = (BF16, FP32, INT8)  # every build: `main` (the image's build stage, setup.py) compiles them all
 
 
 PREBUILT = Path(__file__).parent / "_prebuilt"
@@ -308,7 +313,7 @@ def load(build: Build, build_missing: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
-    every = {one.label: one for one in (BF16, FP32)}
+    every = {one.label: one for one in BUILDS}
     parser = argparse.ArgumentParser(prog="python -m rqbatcher.kernels.build", description=(
         "Build the CPU kernels, every build whatever this CPU runs, into a folder that loads without a compiler. "
         "The Docker image's build stage runs it; so does setup.py for a wheel, where torch is importable."))

@@ -1,6 +1,6 @@
 """The CPU kernels of `kernels/csrc`, built ahead of time (`rqbatcher.kernels.build`) and loaded without a compiler.
 
-Two builds, each for the CPUs whose instructions it uses. On a CPU with AVX-512 BF16 (`BF16`), they take
+Three builds, each for the CPUs whose instructions it uses. On a CPU with AVX-512 BF16 (`BF16`), they take
 the places of a bf16 step where torch's own kernels fall short:
 - decode attention (`paged_decode`): one call per layer reads every decode's keys straight from the paged
   cache, in the arithmetic of the AVX-512 prefill kernel (a query gets the same bits from either);
@@ -18,6 +18,13 @@ ops but `silu_mul` run in fp32. Where AVX-512 exists, MKL's own AVX-512 kernels 
 against MKL's AVX2 paths only. Either build writes a step's keys and values to the cache (`write_kv`), in any
 dtype.
 
+The int8 build (`INT8`: AVX2 and FMA, so it loads on every AVX2 CPU, AVX-512 ones included, beside either build
+above) holds `int8_linear`: `x @ W.T + b` on weights of one byte (symmetric per output channel, `wscale`), x
+quantized per row in blocks of INT8_BLOCK (32) values with a scale each, integer dots per block (llama.cpp's Q8_0
+arithmetic on AVX2), for 8-bit models: a decode step streams a quarter of fp32's bytes. Any number of rows, each
+computed in one order whatever the rows beside it and the threads (batch invariant). The arithmetic is written in
+kernels/csrc/int8_linear.cpp's header; workers/model/int8_linear.py holds torch's reference of it.
+
 What each build is made of (sources, CPU flags, compile flags) is defined in `kernels.build`, and named here too.
 `load()` imports a build made ahead of time and never compiles unless asked to. It looks for a build of these
 very sources (and headers and flags) for this torch and Python (`rqbatcher.kernels.build`: the folder is keyed by their
@@ -33,11 +40,11 @@ missing one into the cache at its first `load()` instead, after a log line sayin
 How each install gets its kernels:
 - `make setup` (a checkout): `python -m rqbatcher.kernels.native` builds what this CPU runs into the cache, once per
   source digest and torch (about 3 min on 2 cores for the bf16 build).
-- The Docker image: its build stage runs `python -m rqbatcher.kernels.build`, which compiles both builds (bf16 and fp32)
-  into the installed package's `_prebuilt/`; the runtime stage, which has no compiler, carries them.
+- The Docker image: its build stage runs `python -m rqbatcher.kernels.build`, which compiles every build (bf16,
+  fp32, int8) into the installed package's `_prebuilt/`; the runtime stage, which has no compiler, carries them.
 - A wheel built where torch and a compiler are importable in the build environment (torch installed first, then
   `pip install --no-build-isolation 'rqbatcher[worker]'` or `pip wheel --no-build-isolation .`): setup.py runs the
-  same build, so the wheel (tagged for this Python and platform) carries both builds for that torch version.
+  same build, so the wheel (tagged for this Python and platform) carries every build for that torch version.
 - A plain `pip install 'rqbatcher[worker]'` or `pip wheel .` (build isolation: torch is not in the build
   environment, and is not pulled into it) carries none, but asks for them (`BUILD_AT_START`): a worker builds them
   into the cache at its start, before its first request, where a compiler exists (once per machine, digest and
@@ -57,9 +64,12 @@ import torch
 from rqbatcher.kernels import build as builds
 from rqbatcher.kernels.build import (  # noqa: F401  (what each build is made of; callers read them here)
     BF16,
+    BUILDS,
     CSRC,
     FP32,
     FP32_LINEAR_MAX_ROWS,
+    INT8,
+    INT8_BLOCK,
     LINEAR_MAX_ROWS,
     MAX_QUERY_HEADS_PER_KV_HEAD,
     Build,
@@ -242,11 +252,19 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return load(FP32).fp32_linear(x, weight, bias)
 
 
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` for fp32 `x [..., K]` (any number of rows) on `qweight` int8 `[N, K]` (contiguous) and its
+    per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK values (kernels/csrc/int8_linear.cpp);
+    where `load(INT8)` is not None."""
+    return load(INT8).int8_linear(x, qweight, wscale, bias)
+
+
 def main() -> int:
     """`python -m rqbatcher.kernels.native`: build (into the cache) and load what this CPU runs, where missing."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ[builds.BUILD_ENV] = "1"  # this process is asked to build
-    for build in (BF16, FP32):
+    for build in BUILDS:
         state = "ready" if load(build) is not None else f"unavailable: {unavailable_reason(build)}"
         print(f"{build.label} CPU kernels:", state, flush=True)
     return 0

@@ -75,7 +75,7 @@ import torch
 from rqbatcher.kernels import build as builds, native
 assert not builds.build_requested()
 found = {}
-for build in (native.BF16, native.FP32):
+for build in native.BUILDS:
     path = builds.find(build)
     if path is None:
         continue
@@ -87,6 +87,13 @@ for build in (native.BF16, native.FP32):
         continue
     assert module.__file__ == str(path)
     x, weight = torch.randn(3, 64), torch.randn(64)
+    if build is native.INT8:  # its one kernel, on an int8 weight of scale 1 (only x's quantization errs)
+        qweight = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+        want = x @ qweight.float().T
+        got = module.int8_linear(x, qweight, torch.ones(32), None)
+        assert torch.allclose(got, want, atol=0.02 * want.abs().max().item()), (got - want).abs().max()
+        found[build.label] = str(path)
+        continue
     if build is native.FP32:
         linear = torch.randn(32, 64)
         assert torch.allclose(module.fp32_linear(x, linear, None), x @ linear.T, atol=1e-4)
@@ -134,8 +141,7 @@ def test_the_dockerfile_kernel_step_in_a_fresh_venv_builds_a_folder_that_loads_w
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_dockerfile_kernel_step_as_written_carries_both_builds(tmp_path):
+def test_the_dockerfile_kernel_step_as_written_carries_every_build(tmp_path):
     _, site, found = run_the_image_kernel_step(tmp_path)
     prebuilt = site / "rqbatcher" / "kernels" / "_prebuilt"
-    assert found == {"bf16": str(builds.library(native.BF16, prebuilt)),
-                     "fp32": str(builds.library(native.FP32, prebuilt))}
+    assert found == {build.label: str(builds.library(build, prebuilt)) for build in native.BUILDS}

@@ -77,8 +77,8 @@ def version_of(build: native.Build, path: Path) -> int:
 # ----- one folder per digest -----
 
 def test_the_real_builds_are_keyed_by_content_torch_and_python_not_by_path(tmp_path):
-    copy = shutil.copytree(native.CSRC, tmp_path / "csrc")
-    for build in (native.BF16, native.FP32):
+    for build in native.BUILDS:
+        copy = shutil.copytree(native.CSRC, tmp_path / build.label)  # a fresh copy each: builds share headers
         key = builds.key(build)
         assert key.startswith(f"{torch.__version__}-{sys.implementation.cache_tag}-")
         assert builds.key(dataclasses.replace(build, csrc=copy)) == key  # another checkout, the same sources
@@ -88,7 +88,7 @@ def test_the_real_builds_are_keyed_by_content_torch_and_python_not_by_path(tmp_p
         flags = dataclasses.replace(build, compile_flags=(*build.compile_flags, "-DANOTHER"))
         assert builds.key(flags) != key  # and so are the flags
         assert builds.library(build, tmp_path) == tmp_path / build.name / key / f"{build.name}.so"
-    assert builds.key(native.BF16) != builds.key(native.FP32)
+    assert len({builds.key(build) for build in native.BUILDS}) == len(native.BUILDS) == 3
 
 
 def test_builds_of_different_sources_live_in_different_folders_and_never_rebuild_each_other(tmp_path, caplog):

@@ -26,7 +26,7 @@ EXPECTED_METRICS = {
     "batcher_num_requests_running": ("gauge", {"model_name"}),
     "batcher_num_requests_waiting": ("gauge", {"model_name"}),
     "batcher_kv_cache_usage_perc": ("gauge", {"model_name"}),
-    "batcher_engine_info": ("gauge", {"model_name", "dtype"}),
+    "batcher_engine_info": ("gauge", {"model_name", "dtype", "quantization"}),
     "batcher_queue_depth": ("gauge", {"queue"}),
     "batcher_time_to_first_token_seconds": ("histogram", {"model_name"}),
     "batcher_inter_token_latency_seconds": ("histogram", {"model_name"}),
@@ -80,7 +80,7 @@ def test_names_types_and_labels(engine):
     model_names = {s.labels.get("model_name") for f in registry.collect() for s in f.samples} - {None}
     assert model_names == {engine.loaded.name}
     info = [s for f in registry.collect() if f.name == "batcher_engine_info" for s in f.samples]
-    assert [(s.labels["dtype"], s.value) for s in info] == [("float32", 1.0)]
+    assert [(s.labels["dtype"], s.labels["quantization"], s.value) for s in info] == [("float32", "none", 1.0)]
 
 
 def test_unknown_finish_reason_is_refused(engine):

@@ -36,9 +36,9 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 @redis_url_option
 @json_option
 def workers(redis_url, as_json):
-    """Live workers: model, dtype, state, jobs in flight, free slots, KV usage, prefix-cache hit rate and prefix
-    blocks awaited in flight, tokens/s, the step-time target (! when the given one is infeasible), the prompt
-    tokens the last step gave to urgent and batch work, the measured step time, last heartbeat."""
+    """Live workers: model, dtype, quantization, state, jobs in flight, free slots, KV usage, prefix-cache hit rate
+    and prefix blocks awaited in flight, tokens/s, the step-time target (! when the given one is infeasible), the
+    prompt tokens the last step gave to urgent and batch work, the measured step time, last heartbeat."""
     stats = admin.list_workers(_connect(redis_url))
     if as_json:
         click.echo(json.dumps([s.to_dict() for s in stats], indent=1))
@@ -54,9 +54,9 @@ def workers(redis_url, as_json):
              "prompt_urgent/batch": f"{s.urgent_prompt_tokens}/{s.batch_prompt_tokens}",
              "awaited": s.prefix_blocks_awaited,
              "step": f"{s.step_s * 1000:.0f}ms"} for s in stats]
-    click.echo(_table(rows, ["name", "host", "queues", "model", "dtype", "state", "in_flight", "by_class",
-                             "free_slots", "kv_usage", "prefix_hits", "awaited", "tokens_per_s", "step_target",
-                             "prompt_urgent/batch", "step", "last_heartbeat"]))
+    click.echo(_table(rows, ["name", "host", "queues", "model", "dtype", "quantization", "state", "in_flight",
+                             "by_class", "free_slots", "kv_usage", "prefix_hits", "awaited", "tokens_per_s",
+                             "step_target", "prompt_urgent/batch", "step", "last_heartbeat"]))
 
 
 @main.command()

@@ -54,6 +54,11 @@ def engine_options(func):
         click.option("--dtype", type=click.Choice(c.DTYPES), default=c.DEFAULT_DTYPE, envvar="BATCHER_DTYPE",
                      show_default=True, help="auto: bf16 on a GPU that has it; on a CPU, bf16 only where a "
                      "start-up matmul race shows it faster than fp32."),
+        click.option("--quantization", type=click.Choice(c.QUANTIZATIONS), default=c.DEFAULT_QUANTIZATION,
+                     envvar="BATCHER_QUANTIZATION", show_default=True,
+                     help="int8: the decoder's linears and the LM head on int8 weights (per output channel; "
+                     "activations per block of 32), a quarter of fp32's bytes to stream per decode step; attention "
+                     "and the KV cache keep --dtype."),
         click.option("--attention-backend", type=click.Choice(c.ATTENTION_BACKENDS),
                      default=c.DEFAULT_ATTENTION_BACKEND, envvar="BATCHER_ATTENTION_BACKEND", show_default=True,
                      help="auto: triton on CUDA; cpu (bf16 AVX-512 decode kernels) for a bf16 model on a CPU that "
@@ -82,8 +87,8 @@ def engine_options(func):
                           "from its final hidden states). Default: the model's nature (an embedding model embeds)."),
     ]
     names = ["model", "policy", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
-             "kv_cache_bytes", "max_model_len", "dtype", "attention_backend", "device", "compile", "prefix_caching",
-             "batch_invariant", "min_batch_share", "step_time_target", "tasks"]
+             "kv_cache_bytes", "max_model_len", "dtype", "quantization", "attention_backend", "device", "compile",
+             "prefix_caching", "batch_invariant", "min_batch_share", "step_time_target", "tasks"]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

@@ -69,6 +69,7 @@ class BenchReport:
     requests: int
     prompt_tokens: int
     shared_prefix_tokens: int  # prompt tokens a perfect prefix cache would not compute
+    quantization: str = "none"  # of the linears' weights (EngineConfig.quantization)
     systems: list[SystemReport] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -92,7 +93,9 @@ class BenchReport:
         shared = (f"{self.shared_prefix_tokens} of them in shared prefixes after their first request"
                   if self.shared_prefix_tokens else "no shared prefixes")
         lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens ({shared}); "
-                 f"model {self.model} in {self.dtype}; {self.threads} thread(s) on {self.device}; "
+                 f"model {self.model} in {self.dtype}"
+                 + (f" with {self.quantization} weights" if self.quantization != "none" else "")
+                 + f"; {self.threads} thread(s) on {self.device}; "
                  + ", ".join(f"{k} {v}" for k, v in self.versions.items()), header]
         for s in self.systems:
             agree = "baseline" if s.system == self.baseline else (
@@ -155,7 +158,8 @@ def bench_report(name: str, workload: list[WorkloadRequest], runs: dict[str, Sys
     shared = shared_prefix_tokens(workload)
     report = BenchReport(workload=name, model=config.model, dtype=config.dtype, threads=threads, device=device_name,
                          versions=versions, baseline=baseline, requests=len(workload),
-                         prompt_tokens=sum(w.prompt_len for w in workload), shared_prefix_tokens=shared)
+                         prompt_tokens=sum(w.prompt_len for w in workload), shared_prefix_tokens=shared,
+                         quantization=config.quantization)
     report.systems = [system_report(run, workload, runs[baseline], shared) for run in runs.values()]
     return report
 

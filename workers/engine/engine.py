@@ -166,6 +166,7 @@ class Engine:
         return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            free_slots=scheduler.free_slots, kv_cache_usage=scheduler.allocator.usage,
                            prefix_cache=replace(scheduler.prefix_cache_stats), dtype=self.dtype,
+                           quantization=self.config.quantization,
                            last_step=self.last_step, urgency_preemptions=dict(scheduler.urgency_preemptions),
                            fairness_preemptions=scheduler.fairness_preemptions,
                            step_time_target_s=scheduler.budget.step_target_s, recent_step_s=self.recent_step_s,

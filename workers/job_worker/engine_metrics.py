@@ -100,8 +100,10 @@ class EngineMetrics:
         gauge("batcher_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).").set_function(
             lambda: engine.stats().kv_cache_usage)
         self.registry.register(_PrefixCacheCollector(engine))
-        Gauge("batcher_engine_info", "How the engine runs, as labels (the value is 1): the dtype of the model.",
-              [MODEL_LABEL, "dtype"], registry=self.registry).labels(model, engine.stats().dtype).set(1)
+        stats = engine.stats()
+        Gauge("batcher_engine_info", "How the engine runs, as labels (the value is 1): the dtype of the model, and "
+              "its linears' quantization (none, int8).", [MODEL_LABEL, "dtype", "quantization"],
+              registry=self.registry).labels(model, stats.dtype, stats.quantization).set(1)
         self._queue_depth = Gauge("batcher_queue_depth", "Jobs waiting in a Redis queue, as this worker last read it.",
                                   ["queue"], registry=self.registry)
 

@@ -79,6 +79,7 @@ class StatsPublisher:
             queues=",".join(sorted({keys.base_queue(q.name) for q in worker.queues})),
             model=worker.model_name, state=state, in_flight=worker.num_in_flight, free_slots=engine.free_slots,
             kv_usage=round(engine.kv_cache_usage, 4), dtype=engine.dtype,
+            quantization=engine.quantization,
             tokens_per_s=round((tokens - before) / max(moment - since, 1e-9), 2), last_heartbeat=time.time(),
             prefix_cache_hit_rate=round(engine.prefix_cache.hit_rate, 4),
             in_flight_by_class=in_flight_by_class(worker.jobs.snapshot()),

@@ -9,7 +9,9 @@ linear and gate and up as another at a decode step's few rows (`JointLinear`), a
 `rqbatcher.kernels.native`'s layer ops: one call per norm with the residual add folded in, one for the rotary embedding
 of queries and keys, and in bf16 one for SiLU(gate) * up (fp32 keeps torch's SiLU, whose exp the kernels cannot
 match bit for bit). Those round wherever the modules' torch ops do, so the logits are the bits of transformers'
-forward (tests/test_fused_decoder.py checks every step of an engine, in both dtypes).
+forward (tests/test_fused_decoder.py checks every step of an engine, in both dtypes). With int8 weights
+(`rqbatcher.workers.model.int8_linear`) the linears are the `Int8Linear` modules, q/k/v and gate/up one int8 call
+each (`Int8JointLinear`): the same bits as the modules one by one.
 
 It serves the families whose decoder layer is Llama's (`FAMILIES`) with a SiLU MLP, in bf16 or fp32 on a CPU
 where the kernels of that dtype load (`rqbatcher.kernels.native.build_for`); any other model keeps transformers'
@@ -26,6 +28,7 @@ import torch
 
 from rqbatcher.kernels import native
 from rqbatcher.kernels.attention import AttentionMetadata, attend
+from rqbatcher.workers.model.int8_linear import Int8JointLinear, joint_linear
 from rqbatcher.workers.model.packed_linear import JointLinear
 
 log = logging.getLogger(__name__)
@@ -53,9 +56,9 @@ class _Layer:
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     eps: float
-    qkv_proj: JointLinear
+    qkv_proj: JointLinear | Int8JointLinear
     o_proj: torch.nn.Module
-    gate_up_proj: JointLinear
+    gate_up_proj: JointLinear | Int8JointLinear
     down_proj: torch.nn.Module
     heads: int
     kv_heads: int
@@ -122,8 +125,8 @@ def _layer(layer: torch.nn.Module, config, sliding_window: Callable[[torch.nn.Mo
     return _Layer(
         index=attention.layer_idx, input_norm=layer.input_layernorm.weight,
         post_attention_norm=layer.post_attention_layernorm.weight, eps=layer.input_layernorm.variance_epsilon,
-        qkv_proj=JointLinear([attention.q_proj, attention.k_proj, attention.v_proj]), o_proj=attention.o_proj,
-        gate_up_proj=JointLinear([mlp.gate_proj, mlp.up_proj]), down_proj=mlp.down_proj,
+        qkv_proj=joint_linear([attention.q_proj, attention.k_proj, attention.v_proj]), o_proj=attention.o_proj,
+        gate_up_proj=joint_linear([mlp.gate_proj, mlp.up_proj]), down_proj=mlp.down_proj,
         heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attention.head_dim,
         scaling=attention.scaling, sliding_window=sliding_window(attention))
 

@@ -18,7 +18,9 @@ How fast a step goes: on a CPU in bf16 every linear layer runs on a weight packe
 (`workers.model.packed_linear`), and a decode step's few rows, in bf16 or fp32, on `kernels.native`'s kernels where
 they run; the layers of a Llama-shaped model run fused (`workers.model.fused_decoder`) where those kernels load; with
 `EngineConfig.compile`, steps of up to `max_num_seqs` tokens run a compiled forward
-(`rqbatcher.workers.model.compiled_forward`), padded to a few token-count buckets.
+(`rqbatcher.workers.model.compiled_forward`), padded to a few token-count buckets. With `EngineConfig.quantization`
+int8, the decoder's linears and the LM head run on int8 weights instead (`workers.model.int8_linear`), neither
+packed nor routed.
 
 With `EngineConfig.batch_invariant` (the default), a bf16 step on `kernels.native` gives each row the same bits
 whatever else it holds: every linear on `tile_linear`, and decodes and prompt chunks in one attention arithmetic
@@ -32,7 +34,7 @@ import logging
 
 import torch
 
-from rqbatcher.config import ATTENTION_CPU, ATTENTION_TRITON, EngineConfig
+from rqbatcher.config import ATTENTION_CPU, ATTENTION_TRITON, QUANTIZATION_INT8, EngineConfig
 from rqbatcher.kernels import native
 from rqbatcher.kernels.attention import (
     AttentionMetadata,
@@ -47,6 +49,7 @@ from rqbatcher.kernels.triton_attention import FlatAttentionMetadata
 from rqbatcher.workers.model.attention_backend import resolve_attention_backend
 from rqbatcher.workers.model.compiled_forward import CompiledForward
 from rqbatcher.workers.model.fused_decoder import FusedDecoder
+from rqbatcher.workers.model.int8_linear import native_int8, quantize_linears
 from rqbatcher.workers.model.loading import LoadedModel
 from rqbatcher.workers.model.packed_linear import can_pack, fp32_rows_native, pack_linears, route_fp32_linears
 from rqbatcher.workers.model.precision import DTYPES
@@ -89,6 +92,9 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
+        if config.quantization == QUANTIZATION_INT8:  # before the packing and routing below, which then skip them
+            log.info("%d linears on int8 weights, on %s", quantize_linears(self.model),
+                     "the native int8 kernel" if native_int8(self.device) else "torch's reference arithmetic")
         layers, kv_heads, head_dim = kv_shape(self.model)
         heads = self.model.config.get_text_config().num_attention_heads
         self.heads_per_kv_head = heads // kv_heads

@@ -1,0 +1,146 @@
+"""The int8 CPU kernel (`native.int8_linear`, kernels/csrc/int8_linear.cpp) against a torch reference of its
+arithmetic: int8 weights with a scale per output channel, x quantized per row in blocks of 32 along K, exact integer
+dots per block. Only the order of the float sums may differ, so the tolerance is far below one quantization step.
+Each row's bits must not depend on the rows beside it, nor on the threads.
+
+It runs on every CPU with AVX2 and FMA (elsewhere these tests skip); a CPU that has them but fails to build it fails
+here.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rqbatcher.kernels import native
+
+BLOCK = native.INT8_BLOCK
+pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.INT8.cpu_flags),
+                                reason="the int8 kernel needs AVX2 and FMA")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's weights: int8 [N, K] and fp32 [N], symmetric per output channel (a zero row: scale 0, q 0)."""
+    amax = weight.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    return torch.round(weight * inv).clamp(-127, 127).to(torch.int8), (amax / 127).squeeze(-1)
+
+
+def reference(x, qweight, wscale, bias):
+    """y = wscale * sum over blocks (sx * exact int dot) + bias, in float64 from the same quantized values."""
+    (N, K), rows = qweight.shape, x.reshape(-1, x.shape[-1]).shape[0]
+    pad = -K % BLOCK
+    blocks = F.pad(x.reshape(rows, K), (0, pad)).view(rows, -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127 / amax as one fp32 division, as the kernel does (torch's `127.0 / amax` is `amax.reciprocal() * 127`)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    qx = torch.round(blocks * inv).clamp(-127, 127)
+    sx = (amax / 127).squeeze(-1)
+    isum = torch.einsum("rbk,nbk->rnb", qx.double(), F.pad(qweight.double(), (0, pad)).view(N, -1, BLOCK))
+    terms = sx.double()[:, None, :] * isum
+    y = wscale.double() * terms.sum(-1) + (0 if bias is None else bias.double())
+    scale = wscale.double() * terms.abs().sum(-1)  # what the float sums' rounding is relative to
+    return y.reshape(*x.shape[:-1], N), scale.reshape(*x.shape[:-1], N)
+
+
+def operands(rows, K, N, seed, bias=True):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, K, generator=generator) * torch.rand(rows, 1, generator=generator) * 4
+    weight = torch.randn(N, K, generator=generator) * 0.05
+    qweight, wscale = quantize_weight(weight)
+    return x, qweight, wscale, torch.randn(N, generator=generator) if bias else None
+
+
+def check(x, qweight, wscale, bias):
+    got = native.int8_linear(x, qweight, wscale, bias)
+    want, scale = reference(x, qweight, wscale, bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    error = (got.double() - want).abs()
+    assert (error <= 1e-5 * scale + 1e-6).all(), error.max()
+
+
+def test_the_kernel_builds_on_a_cpu_it_serves():
+    assert native.load(native.INT8) is not None, native.unavailable_reason(native.INT8)
+    assert native.load(native.INT8).block == BLOCK
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 33, 100])
+@pytest.mark.parametrize("K, N", [(64, 12), (100, 7), (576, 37), (5, 3), (33, 1)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_int8_linear_matches_the_reference(rows, K, N, with_bias):
+    """Rows in pairs and alone, W's rows in fours and a remainder, K of whole blocks and with a shorter last one."""
+    check(*operands(rows, K, N, seed=rows * 1000 + K + N, bias=with_bias))
+
+
+def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
+    x, qweight, wscale, bias = operands(6, 200, 10, seed=3)
+    x[2] = 0  # a zero row of x
+    x[4, 32:64] = 0  # a zero block inside a row
+    x[5, 192:] = 0  # a zero last (shorter) block
+    qweight[[0, 7]], wscale[[0, 7]] = 0, 0  # zero rows of W, as quantize_weight makes them
+    y = native.int8_linear(x, qweight, wscale, bias)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[2], bias) and torch.equal(y[:, 0], bias[0].expand(6))
+    check(x, qweight, wscale, bias)
+
+
+def test_a_nan_or_inf_in_a_row_of_x_makes_that_row_nan_and_no_other():
+    x, qweight, wscale, bias = operands(4, 100, 9, seed=4)
+    x[1, 40], x[3, 99] = float("nan"), float("inf")  # in a whole block, in the last (shorter) one
+    y = native.int8_linear(x, qweight, wscale, bias)
+    assert y[[1, 3]].isnan().all() and torch.isfinite(y[[0, 2]]).all()
+    check(x[[0, 2]], qweight, wscale, bias)
+
+
+def test_it_approximates_the_float_linear_it_quantizes():
+    generator = torch.Generator().manual_seed(5)
+    x, weight, bias = torch.randn(4, 576, generator=generator), torch.randn(96, 576, generator=generator), None
+    y = native.int8_linear(x, *quantize_weight(weight), bias)
+    want = x @ weight.T
+    assert ((y - want).norm() / want.norm()).item() < 0.01
+
+
+def test_leading_dimensions_a_strided_x_and_no_rows():
+    x, qweight, wscale, bias = operands(6, 96, 10, seed=7)
+    strided = torch.stack([x, x], -1)[..., 0].view(2, 3, 96)  # [2, 3, 96], not contiguous
+    assert not strided.is_contiguous()
+    y = native.int8_linear(strided, qweight, wscale, bias)
+    assert y.shape == (2, 3, 10) and torch.equal(y.view(6, 10), native.int8_linear(x, qweight, wscale, bias))
+    assert native.int8_linear(torch.zeros(0, 96), qweight, wscale, bias).shape == (0, 10)
+
+
+def test_a_rows_bits_do_not_depend_on_its_batch():
+    x, qweight, wscale, bias = operands(130, 200, 37, seed=11)
+    alone = torch.cat([native.int8_linear(x[r:r + 1], qweight, wscale, bias) for r in range(len(x))])
+    generator = torch.Generator().manual_seed(0)
+    for size in (*range(1, 17), 31, 32, 33, 63, 64, 65, 100, 130):  # tiles of 2 and chunks of 64 rows, any position
+        for _ in range(2):
+            picked = torch.randperm(len(x), generator=generator)[:size]
+            assert torch.equal(native.int8_linear(x[picked], qweight, wscale, bias), alone[picked]), size
+
+
+def test_the_threads_do_not_change_the_bits():
+    threads = torch.get_num_threads()
+    x, qweight, wscale, bias = operands(70, 300, 1001, seed=13)
+    try:
+        torch.set_num_threads(1)
+        one = native.int8_linear(x, qweight, wscale, bias)
+        torch.set_num_threads(2)
+        assert torch.equal(native.int8_linear(x, qweight, wscale, bias), one)
+        assert torch.equal(native.int8_linear(x[:3], qweight, wscale, bias), one[:3])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q, s: native.int8_linear(torch.randn(2, 8).double(), q, s, None), "x must be an fp32 CPU tensor"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 8), q.float(), s, None), "qweight must be an int8 CPU tensor"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 4), q.t(), s, None), "contiguous"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 9), q, s, None), "9 features"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s[:3], None), "wscale must be 4"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s.half(), None), "wscale must be an fp32"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s, torch.randn(3)), "bias has 3 values"),
+])
+def test_it_refuses_what_it_cannot_compute(call, message):
+    qweight, wscale = quantize_weight(torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match=message):
+        call(qweight, wscale)

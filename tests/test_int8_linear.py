@@ -1,0 +1,296 @@
+"""int8 weights (`--quantization int8`, `workers.model.int8_linear`): the arithmetic, the modules replaced, the
+quantized model's logits against the float model's, an engine serving on them (batch invariant), and the option.
+
+The torch reference runs everywhere; where `rqbatcher.kernels.native`'s int8 kernel loads, its output is checked
+against the reference (skipped elsewhere)."""
+
+import copy
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
+
+from rqbatcher.cli.options import engine_options
+from rqbatcher.config import QUANTIZATIONS, EngineConfig
+from rqbatcher.workers.model.fused_decoder import why_not
+from rqbatcher.workers.model.int8_linear import (
+    QUANT_BLOCK,
+    QUANT_MAX,
+    Int8JointLinear,
+    Int8Linear,
+    int8_linear_reference,
+    joint_linear,
+    native_int8,
+    quantize_activations,
+    quantize_linears,
+    quantize_weight,
+)
+from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
+from tests.tiny_models import build_tiny_model
+
+LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+MAX_TOKENS = 10
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def weights_and_input(out_features=70, features=100, rows=9):
+    """A weight whose rows differ in scale by 1000x (and one row all zeros), K not a whole number of blocks."""
+    weight = randn(out_features, features, seed=1) * torch.logspace(-2, 1, out_features)[:, None]
+    weight[5] = 0
+    x = randn(rows, features, seed=2) * torch.logspace(-1, 2, rows)[:, None]
+    x[3] = 0
+    return weight, x, randn(out_features, seed=3)
+
+
+def test_quantize_weight_round_trips_within_half_a_step_per_channel():
+    weight, _, _ = weights_and_input()
+    qweight, wscale = quantize_weight(weight)
+    assert qweight.dtype == torch.int8 and qweight.is_contiguous() and qweight.shape == weight.shape
+    assert wscale.dtype == torch.float32 and wscale.shape == (weight.shape[0],)
+    assert wscale[5] == 0 and not qweight[5].any()
+    nonzero = torch.arange(weight.shape[0]) != 5
+    assert (qweight[nonzero].abs().amax(dim=1) == QUANT_MAX).all()
+    error = (qweight.float() * wscale[:, None] - weight).abs()
+    assert (error <= wscale[:, None] * (0.5 + 1e-4)).all()
+    assert torch.allclose(wscale, weight.abs().amax(dim=1) / QUANT_MAX)
+
+
+def test_the_reference_is_the_dequantized_matmul():
+    """The exact block sums, then the scales: a float64 matmul of the dequantized operands gives the same figures to
+    float32's rounding, and a float matmul of the float operands within the quantization's error."""
+    weight, x, bias = weights_and_input()
+    qweight, wscale = quantize_weight(weight)
+    y = int8_linear_reference(x, qweight, wscale, bias)
+    assert y.dtype == torch.float32 and y.shape == (x.shape[0], weight.shape[0])
+    qx, sx = quantize_activations(x)
+    assert qx.shape == (x.shape[0], 4, QUANT_BLOCK) and sx.shape == (x.shape[0], 4)
+    x_dequantized = (qx.double() * sx.double()[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
+    expected = x_dequantized @ (qweight.double() * wscale.double()[:, None]).T + bias.double()
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert torch.equal(y[3], bias)  # a row of zeros
+    assert torch.equal(y[:, 5], bias[5].expand(x.shape[0]))  # a weight row of zeros
+    exact = x @ weight.T + bias
+    assert ((y - exact).norm() / exact.norm()) < 0.02
+
+
+def test_a_row_and_a_column_of_the_reference_do_not_depend_on_the_others():
+    """Batch invariance, bit for bit: a row alone or among others, a column alone or joined with others."""
+    weight, x, bias = weights_and_input()
+    qweight, wscale = quantize_weight(weight)
+    full = int8_linear_reference(x, qweight, wscale, bias)
+    for start, rows in [(0, 1), (8, 1), (2, 5)]:
+        assert torch.equal(int8_linear_reference(x[start : start + rows], qweight, wscale, bias),
+                           full[start : start + rows])
+    assert torch.equal(int8_linear_reference(x, qweight[10:30], wscale[10:30], bias[10:30]), full[:, 10:30])
+    assert int8_linear_reference(x[:0], qweight, wscale, bias).shape == (0, weight.shape[0])
+
+
+def test_the_native_kernel_gives_the_reference():
+    if not native_int8(torch.device("cpu")):
+        pytest.skip("kernels.native's int8 kernel does not load here (not built, or this CPU lacks its instructions)")
+    from rqbatcher.kernels import native
+
+    weight, x, bias = weights_and_input(out_features=200, features=576, rows=40)
+    qweight, wscale = quantize_weight(weight)
+    for rows in (1, 4, 40):
+        reference = int8_linear_reference(x[:rows], qweight, wscale, bias)
+        for b in (bias, None):
+            expected = reference if b is not None else reference - bias
+            got = native.int8_linear(x[:rows].contiguous(), qweight, wscale, b)
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+    module = Int8Linear(qweight, wscale, bias)
+    reference = int8_linear_reference(x, qweight, wscale, bias)
+    assert module.on_native and torch.allclose(module(x), reference, rtol=1e-5,
+                                               atol=1e-4 * reference.abs().max().item())
+
+
+def test_a_module_keeps_its_input_dtype_and_shape():
+    weight, x, bias = weights_and_input()
+    module = Int8Linear(*quantize_weight(weight), bias, on_native=False)
+    assert not any(p.numel() for p in module.parameters())  # buffers only: no float weight is kept
+    y = module(x.view(3, 3, -1).to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 3, weight.shape[0])
+    expected = int8_linear_reference(x.to(torch.bfloat16).float(), module.qweight, module.wscale, bias)
+    assert torch.equal(y.view(9, -1), expected.to(torch.bfloat16))
+
+
+def load(model_dir) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_every_linear_of_the_layers_and_the_lm_head_is_replaced_and_the_embedding_stays(tiny_model_dir, family):
+    model = load(tiny_model_dir(family))
+    embedding = model.model.embed_tokens.weight.clone()
+    layers = model.config.num_hidden_layers
+    assert quantize_linears(model, on_native=False) == layers * LINEARS_PER_LAYER + 1
+    assert not [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        modules = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj]
+        assert all(isinstance(m, Int8Linear) and m.qweight.dtype == torch.int8 for m in modules)
+        assert (attention.q_proj.bias is not None) == (family == "qwen2")  # Qwen2's q/k/v biases are kept
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.out_features == model.config.vocab_size
+    assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    storages = {m.qweight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, Int8Linear)}
+    assert len(storages) == 1  # laid end to end
+    assert quantize_linears(model) == 0  # quantized already
+
+
+def test_a_tied_lm_head_gets_its_own_int8_copy(tmp_path):
+    model = load(build_tiny_model("llama", tmp_path / "tied", tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    embedding = model.model.embed_tokens.weight
+    quantize_linears(model, on_native=False)
+    assert isinstance(model.lm_head, Int8Linear) and model.model.embed_tokens.weight is embedding
+    assert embedding.dtype == torch.float32
+    assert torch.equal(model.lm_head.qweight, quantize_weight(embedding)[0])
+
+
+def test_gpt2s_conv1d_layers_are_quantized_as_their_transpose(tiny_model_dir):
+    model = load(tiny_model_dir("gpt2"))
+    c_attn = model.transformer.h[0].attn.c_attn
+    expected = quantize_weight(c_attn.weight.t())
+    ids = torch.tensor([[5, 17, 99, 3]])
+    before = model(ids).logits
+    quantize_linears(model, on_native=False)
+    assert not [m for m in model.modules() if isinstance(m, (Conv1D, torch.nn.Linear))]
+    assert torch.equal(model.transformer.h[0].attn.c_attn.qweight, expected[0])
+    after = model(ids).logits
+    assert (after - before).norm() / before.norm() < 0.05
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_quantized_models_logits_stay_close_to_the_float_models(tiny_model_dir, family):
+    model = load(tiny_model_dir(family))
+    quantized = copy.deepcopy(model)
+    quantize_linears(quantized, on_native=False)
+    ids = torch.tensor(random_prompts(3, seed=1, min_len=30, max_len=30))
+    with torch.inference_mode():
+        exact, approximate = model(ids).logits, quantized(ids).logits
+    assert (approximate - exact).norm() / exact.norm() < 0.03
+    agree = (approximate.argmax(-1) == exact.argmax(-1)).float().mean()
+    assert agree > 0.9
+
+
+def test_joint_calls_give_each_modules_bits(tiny_model_dir):
+    model = load(tiny_model_dir("qwen2"))
+    quantize_linears(model, on_native=False)
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    x = randn(5, model.config.hidden_size, seed=4)
+    for modules in ([attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]):
+        joint = joint_linear(modules)
+        assert isinstance(joint, Int8JointLinear) and joint.qweight is not None
+        for got, module in zip(joint(x), modules, strict=True):
+            assert torch.equal(got, module(x))
+
+
+def test_an_engine_serves_on_int8_weights(tiny_model_dir):
+    """Several greedy requests at once, each token that of the quantized model's own greedy generate."""
+    model_dir = tiny_model_dir("llama")
+    engine = engine_for(model_dir, quantization="int8", max_num_seqs=4)
+    assert engine.stats().quantization == "int8"
+    assert isinstance(engine.runner.model.lm_head, Int8Linear)
+    assert not [m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    prompts = random_prompts(6, seed=7, min_len=3, max_len=30)
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", greedy(prompt, MAX_TOKENS))
+    finals = run_all(engine)
+    reference = load(model_dir)
+    quantize_linears(reference, on_native=engine.runner.model.lm_head.on_native)
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt) :]
+        assert finals[f"r{i}"].token_ids == expected.tolist(), i
+
+
+@pytest.fixture(scope="module")
+def invariance_model(tmp_path_factory):
+    """SmolLM2's head shape (head_dim 64, 3 query heads per KV head), as tests/test_batch_invariance.py builds it."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("int8-invariance") / "llama", hidden_size=384,
+                            num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+
+
+def target_tokens(model_dir, target, others=(), **knobs) -> list[int]:
+    engine = engine_for(model_dir, quantization="int8", **knobs)
+    engine.add("target", greedy(target, MAX_TOKENS))
+    for i, prompt in enumerate(others):
+        engine.add(f"other{i}", greedy(prompt, MAX_TOKENS + 3 * i))
+    return run_all(engine)["target"].token_ids
+
+
+def test_a_requests_int8_tokens_do_not_depend_on_what_runs_beside_it(invariance_model):
+    """Alone; among 7 others in chunks of a small token budget (its prompt split, decodes beside prompt chunks)."""
+    target, *others = random_prompts(8, seed=3, min_len=40, max_len=40)
+    alone = target_tokens(invariance_model, target, max_num_batched_tokens=512)
+    assert target_tokens(invariance_model, target, others, max_num_seqs=8, max_num_batched_tokens=23,
+                         block_size=4) == alone
+    assert target_tokens(invariance_model, target, others, max_num_seqs=8, max_num_batched_tokens=64,
+                         prefix_caching=False) == alone
+
+
+def record_logits(engine) -> list[torch.Tensor]:
+    logits, execute = [], engine.runner.execute
+
+    def recorded(plan):
+        out = execute(plan)
+        logits.append(out[0].clone())
+        return out
+
+    engine.runner.execute = recorded
+    return logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_layers_run_on_the_int8_modules_with_transformers_logits(invariance_model, dtype):
+    """Where the fused forward serves (the layer kernels of `dtype` load), it calls the int8 modules, q/k/v and
+    gate/up as one int8 call each: every step's logits are the bits of transformers' forward on the same modules."""
+    knobs = dict(dtype=dtype, quantization="int8", block_size=4, max_num_seqs=4, max_num_batched_tokens=40)
+    fused = engine_for(invariance_model, **knobs)
+    if fused.runner.fused is None:
+        pytest.skip(f"the fused layers do not serve {dtype} here: "
+                    f"{why_not(fused.runner.model, torch.device('cpu'), fused.runner.dtype)}")
+    plain = engine_for(invariance_model, **knobs)
+    plain.runner.fused = None
+    layer = fused.runner.fused.layers[0]
+    assert isinstance(layer.qkv_proj, Int8JointLinear) and isinstance(layer.down_proj, Int8Linear)
+    fused_logits, plain_logits = record_logits(fused), record_logits(plain)
+    for i, prompt in enumerate(random_prompts(6, seed=5, min_len=3, max_len=50)):
+        fused.add(f"r{i}", greedy(prompt, MAX_TOKENS))
+        plain.add(f"r{i}", greedy(prompt, MAX_TOKENS))
+    while fused.has_work():
+        fused.step()
+        plain.step()
+    assert not plain.has_work() and len(fused_logits) == len(plain_logits) > MAX_TOKENS
+    for step, (got, want) in enumerate(zip(fused_logits, plain_logits)):
+        assert torch.equal(got, want), f"step {step}"
+
+
+def test_an_unknown_quantization_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"^quantization must be one of none, int8, got 'int4'$"):
+        EngineConfig(quantization="int4")
+    assert EngineConfig().quantization == "none" and QUANTIZATIONS == ("none", "int8")
+
+
+@click.command()
+@engine_options
+def show(engine_config):
+    click.echo(engine_config.quantization)
+
+
+def test_the_option_and_its_variable_parse():
+    runner = CliRunner()
+    assert runner.invoke(show, []).output.strip() == "none"
+    assert runner.invoke(show, ["--quantization", "int8"]).output.strip() == "int8"
+    assert runner.invoke(show, [], env={"BATCHER_QUANTIZATION": "int8"}).output.strip() == "int8"
+    refused = runner.invoke(show, ["--quantization", "int4"])
+    assert refused.exit_code == 2 and "'int4' is not one of 'none', 'int8'" in refused.output

@@ -1,0 +1,210 @@
+"""Linear layers on int8 weights (`EngineConfig.quantization == "int8"`): a quarter of fp32's bytes to stream.
+
+A decode step reads every weight once for a few rows of arithmetic, so on a CPU its floor is the weights' bytes
+over the memory's bandwidth: 1-byte weights lower it about 4x against fp32 (2x against bf16), and the model's
+memory drops with them (no float copy of a quantized weight is kept). Only the linears of the decoder layers and
+the LM head are quantized (`quantize_linears`); the embedding table, the norms, attention and the KV cache stay in
+the model's dtype.
+
+The arithmetic, which `rqbatcher.kernels.native`'s int8 kernel (`native.int8_linear`, build `native.INT8`) implements
+as well, and `int8_linear_reference` in torch (the reference, and what runs where that kernel does not):
+- weights symmetric per output channel, quantized once at load from the weights in float32:
+  `wscale[n] = max_k |W[n, k]| / 127`, `qweight[n, k] = round_half_even(W[n, k] * (127 / max_k |W[n, k]|))` in
+  [-127, 127] (a zero row: scale 0, all 0);
+- activations per row, in blocks of QUANT_BLOCK along K (the last one may be shorter), at every call:
+  `sx[r, b] = amax / 127`, `qx = round(x * (127 / amax))` with `amax = max |x[r, block b]|` (0: scale 0, all 0);
+- `y[r, n] = wscale[n] * sum_b sx[r, b] * float(sum_{k in b} qx[r, k] * qweight[n, k]) + bias[n]`, in float32.
+A block's integer dot product stays below 2**24 in magnitude (32 * 127 * 127), so the reference computes it exactly
+in float32 (any summation order gives the same bits) and then adds the blocks in order, one elementwise op each:
+a row's output does not depend on the rows beside it (batch invariance), nor on the columns computed with it, so
+q, k and v (gate and up) can run as one call on one matrix (`joint_linear`, for the fused decoder).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.pytorch_utils import Conv1D
+
+from rqbatcher.kernels import native
+from rqbatcher.workers.model.packed_linear import JointLinear
+
+QUANT_MAX = 127  # symmetric: -127..127, never -128
+QUANT_BLOCK = 32  # activations' block along K: 32 * 127 * 127 < 2**24, exact in float32
+CHUNK_ELEMENTS = 1 << 22  # of the reference's block sums [blocks, rows, columns] at once (16 MB)
+COLUMN_CHUNK = 8192  # output columns the reference widens to float at once (an LM head has ~50k-150k)
+
+
+def native_int8(device: torch.device) -> bool:
+    """Whether `rqbatcher.kernels.native`'s int8 kernel runs linears on `device` here."""
+    build = getattr(native, "INT8", None)
+    return device.type == "cpu" and build is not None and native.load(build) is not None
+
+
+def _scale_and_quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization along the last dim of float32 `values`: (the integers as float32, the scales)."""
+    amax = values.abs().amax(dim=-1)
+    # 127 / amax as one float32 division, as the native kernel computes it (torch's `127 / amax` would be
+    # `amax.reciprocal() * 127`, rounded twice)
+    inverse = torch.where(amax > 0, torch.full_like(amax, QUANT_MAX) / amax, 0.0)
+    quantized = torch.round(values * inverse.unsqueeze(-1)).clamp_(-QUANT_MAX, QUANT_MAX)
+    return quantized, amax / QUANT_MAX
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`qweight` int8 [N, K] contiguous, `wscale` float32 [N]) of `weight [N, K]`, per output channel."""
+    quantized, scale = _scale_and_quantize(weight.detach().float())
+    return quantized.to(torch.int8).contiguous(), scale
+
+
+def _blocks(values: torch.Tensor) -> torch.Tensor:
+    """`values [R, K]` as `[R, ceil(K / QUANT_BLOCK), QUANT_BLOCK]`, the last block padded with zeros."""
+    pad = -values.shape[1] % QUANT_BLOCK
+    padded = torch.nn.functional.pad(values, (0, pad)) if pad else values
+    return padded.reshape(values.shape[0], padded.shape[1] // QUANT_BLOCK, QUANT_BLOCK)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`qx` float32 [M, B, QUANT_BLOCK] of integers, `sx` float32 [M, B]) of float32 `x [M, K]`."""
+    return _scale_and_quantize(_blocks(x))
+
+
+def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """`y [M, N]` float32 of float32 `x [M, K]` by the arithmetic in the module's docstring, in torch."""
+    rows, columns = x.shape[0], qweight.shape[0]
+    qx, sx = quantize_activations(x.float())
+    qx = qx.transpose(0, 1).contiguous()  # [B, M, 32]
+    num_blocks = qx.shape[0]
+    out = torch.empty(rows, columns, dtype=torch.float32, device=x.device)
+    for n0 in range(0, columns, COLUMN_CHUNK):
+        n1 = min(columns, n0 + COLUMN_CHUNK)
+        qw = _blocks(qweight[n0:n1].float()).permute(1, 2, 0).contiguous()  # [B, 32, n]
+        step = max(1, CHUNK_ELEMENTS // (num_blocks * (n1 - n0)))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            sums = torch.bmm(qx[:, r0:r1], qw)  # [B, m, n]: exact integers
+            scales = sx[r0:r1]
+            acc = scales[:, :1] * sums[0]
+            for b in range(1, num_blocks):  # in block order, elementwise: the same bits at any row count
+                acc += scales[:, b : b + 1] * sums[b]
+            acc *= wscale[n0:n1]
+            if bias is not None:
+                acc += bias[n0:n1]
+            out[r0:r1, n0:n1] = acc
+    return out
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
+                on_native: bool) -> torch.Tensor:
+    """`y [M, N]` of contiguous float32 `x [M, K]`: on the native kernel where `on_native` (`native_int8`), else the
+    reference (and always the reference in a compiled forward, which traces it, and at no rows)."""
+    if on_native and x.shape[0] and not torch.compiler.is_compiling():
+        return native.int8_linear(x, qweight, wscale, bias)
+    return int8_linear_reference(x, qweight, wscale, bias)
+
+
+def _rows(x: torch.Tensor, features: int) -> torch.Tensor:
+    return x.reshape(-1, features).float().contiguous()
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer on int8 weights: `qweight` int8 [out, in], `wscale` float32 [out] and `bias` float32 [out]
+    (or None), as buffers; no float weight. Its input and output keep the model's dtype (computed in float32)."""
+
+    def __init__(self, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
+                 on_native: bool | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("wscale", wscale.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.on_native = native_int8(qweight.device) if on_native is None else on_native
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, on_native: bool | None = None) -> Int8Linear:
+        """The int8 copy of an `nn.Linear` (or transformers' `Conv1D`, whose weight is [in, out])."""
+        weight = module.weight.detach()
+        qweight, wscale = quantize_weight(weight.t() if isinstance(module, Conv1D) else weight)
+        return cls(qweight, wscale, module.bias, on_native)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_linear(_rows(x, self.in_features), self.qweight, self.wscale, self.bias, self.on_native)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={'native' if self.on_native else 'torch'}")
+
+
+def quantizable(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linears `quantize_linears` replaces, in the order a forward calls them: every `nn.Linear` (or `Conv1D`)
+    of the decoder (its layers' attention and MLP projections, whatever the family names them), then the LM head."""
+    found = [m for m in model.get_decoder().modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+    head = model.get_output_embeddings()
+    if isinstance(head, (torch.nn.Linear, Conv1D)) and all(head is not m for m in found):
+        found.append(head)
+    return found
+
+
+def quantize_linears(model: torch.nn.Module, on_native: bool | None = None) -> int:
+    """Replace the linears of `model`'s decoder and its LM head (`quantizable`) by `Int8Linear`s, in place; returns
+    how many (0 for a model quantized already). A tied LM head is quantized as its own copy: the embedding table
+    keeps the model's dtype. The int8 weights lie end to end in one buffer, in call order: a decode step streams
+    one run of memory, and q/k/v (gate/up) read as one matrix (`joint_linear`)."""
+    targets = quantizable(model)
+    if not targets:
+        return 0
+    first = targets[0].weight
+    buffer = torch.empty(sum(m.weight.numel() for m in targets), dtype=torch.int8, device=first.device)
+    on_native = native_int8(first.device) if on_native is None else on_native
+    replaced, offset = {}, 0
+    for module in targets:
+        quantized = Int8Linear.of(module, on_native)
+        size = quantized.qweight.numel()
+        quantized.qweight = buffer[offset : offset + size].view_as(quantized.qweight).copy_(quantized.qweight)
+        offset += size
+        replaced[id(module)] = quantized
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if id(module) in replaced and name:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, replaced[id(module)])
+    return len(targets)
+
+
+def _one_matrix(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """Row-major matrices `parts` as one, where each starts where the one before ends in one storage (else None)."""
+    for before, after in zip(parts, parts[1:]):
+        if (after.shape[1:] != before.shape[1:] or not before.is_contiguous() or not after.is_contiguous()
+                or after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
+                or after.data_ptr() != before.data_ptr() + before.numel() * before.element_size()):
+            return None
+    return parts[0].as_strided((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].stride())
+
+
+class Int8JointLinear:
+    """`Int8Linear`s that read one input (q, k and v; gate and up) as one call on their int8 weights, viewed as one
+    matrix (they lie end to end: `quantize_linears`); each output is its own dot product, so each module gets its
+    own bits. Returns one output per module (views of one)."""
+
+    def __init__(self, modules: list[Int8Linear]) -> None:
+        self.modules = modules
+        self.sizes = [module.out_features for module in modules]
+        self.qweight = _one_matrix([module.qweight for module in modules])
+        self.wscale = torch.cat([module.wscale for module in modules])
+        biases = [module.bias for module in modules]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [module.wscale.new_zeros(module.out_features) if b is None else b for b, module in zip(biases, modules)])
+        self.on_native = all(module.on_native for module in modules)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.qweight is None:
+            return [module(x) for module in self.modules]
+        y = int8_linear(_rows(x, self.qweight.shape[1]), self.qweight, self.wscale, self.bias, self.on_native)
+        return y.to(x.dtype).view(*x.shape[:-1], -1).split(self.sizes, dim=-1)
+
+
+def joint_linear(modules: list[torch.nn.Module]) -> Int8JointLinear | JointLinear:
+    """The joint call of `modules` for the fused decoder: on int8 weights where all are `Int8Linear`s."""
+    if all(isinstance(module, Int8Linear) for module in modules):
+        return Int8JointLinear(modules)
+    return JointLinear(modules)
