@@ -8,7 +8,8 @@ the model's dtype.
 
 The arithmetic, which `rqbatcher.kernels.native`'s int8 kernel (`native.int8_linear`, build `native.INT8`) implements
 as well, and `int8_linear_reference` in torch (the reference, and what runs where that kernel does not):
-- weights symmetric per output channel, quantized once at load from the weights in float32:
+- weights symmetric per output channel, quantized once at load from the model's weights (in its dtype) widened to
+  float32:
   `wscale[n] = max_k |W[n, k]| / 127`, `qweight[n, k] = round_half_even(W[n, k] * (127 / max_k |W[n, k]|))` in
   [-127, 127] (a zero row: scale 0, all 0);
 - activations per row, in blocks of QUANT_BLOCK along K (the last one may be shorter), at every call:
@@ -36,8 +37,7 @@ COLUMN_CHUNK = 8192  # output columns the reference widens to float at once (an 
 
 def native_int8(device: torch.device) -> bool:
     """Whether `rqbatcher.kernels.native`'s int8 kernel runs linears on `device` here."""
-    build = getattr(native, "INT8", None)
-    return device.type == "cpu" and build is not None and native.load(build) is not None
+    return device.type == "cpu" and native.load(native.INT8) is not None
 
 
 def _scale_and_quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
