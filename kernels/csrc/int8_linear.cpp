@@ -5,8 +5,8 @@
 // build loads on every AVX2 CPU, AVX-512 ones included (the fp32 build is ruled out there; this one is not).
 //
 // The arithmetic (kernels/native.py's `int8_linear` and workers/model/int8_linear.py's torch reference share it):
-// - qweight int8 [N, K], contiguous: q[n, k] = round_half_even(W[n, k] * (127 / max_k |W[n, k]|)) in [-127, 127];
-//   wscale[n] = max_k |W[n, k]| / 127 (fp32 [N]); a zero row has scale 0 and q 0.
+// - qweight int8 [N, K], contiguous, symmetric per output channel: q[n, k] = W[n, k] / wscale[n] rounded, in
+//   [-127, 127]; wscale fp32 [N] (workers/model/int8_linear.py chooses each row's clip); a zero row: scale 0, q 0.
 // - x fp32 [..., K] (M rows; any M, any K >= 1), quantized per row in blocks of BLOCK = 32 along K (the last one
 //   may be shorter): amax = max |x[r, block]|, sx = amax / 127, qx = round_half_even(x * (127.0f / amax)) in
 //   [-127, 127] (amax 0: sx 0, q 0). _mm256_cvtps_epi32 rounds to nearest even under the default MXCSR mode, as
