@@ -54,3 +54,16 @@ def reference_tokens(model_dir, prompt_ids, max_tokens) -> list[int]:
     out = _references[key].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                     do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def record_logits(engine) -> list[torch.Tensor]:
+    """Every step's logits of `engine` from now on, as its runner computes them."""
+    logits, execute = [], engine.runner.execute
+
+    def recorded(plan):
+        out = execute(plan)
+        logits.append(out[0].clone())
+        return out
+
+    engine.runner.execute = recorded
+    return logits

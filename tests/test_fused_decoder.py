@@ -16,7 +16,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from rqbatcher.kernels import native
 from rqbatcher.workers.model.fused_decoder import FusedDecoder, why_not
 from rqbatcher.workers.model.packed_linear import JointLinear, pack_linears, route_fp32_linears
-from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
+from tests.engine_helpers import engine_for, greedy, random_prompts, record_logits, run_all
 from tests.tiny_models import build_tiny_model
 
 FLAGS = native.cpu_flags()
@@ -177,18 +177,6 @@ def fused_models(tmp_path_factory):
     models["llama-64"] = build_tiny_model("llama", root / "llama-64", hidden_size=384, num_attention_heads=6,
                                           num_key_value_heads=2, head_dim=64)
     return models
-
-
-def record_logits(engine) -> list[torch.Tensor]:
-    logits, execute = [], engine.runner.execute
-
-    def recorded(plan):
-        out = execute(plan)
-        logits.append(out[0].clone())
-        return out
-
-    engine.runner.execute = recorded
-    return logits
 
 
 @pytest.mark.parametrize("dtype", BOTH)

@@ -28,7 +28,7 @@ from rqbatcher.workers.model.int8_linear import (
     quantize_linears,
     quantize_weight,
 )
-from tests.engine_helpers import engine_for, greedy, random_prompts, run_all
+from tests.engine_helpers import engine_for, greedy, random_prompts, record_logits, run_all
 from tests.tiny_models import build_tiny_model
 
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
@@ -248,18 +248,6 @@ def test_a_requests_int8_tokens_do_not_depend_on_what_runs_beside_it(invariance_
                          block_size=4) == alone
     assert target_tokens(invariance_model, target, others, max_num_seqs=8, max_num_batched_tokens=64,
                          prefix_caching=False) == alone
-
-
-def record_logits(engine) -> list[torch.Tensor]:
-    logits, execute = [], engine.runner.execute
-
-    def recorded(plan):
-        out = execute(plan)
-        logits.append(out[0].clone())
-        return out
-
-    engine.runner.execute = recorded
-    return logits
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
+from rqbatcher.config import DEFAULT_QUANTIZATION
 from rqbatcher.jobs.redis_text import as_text
 
 WorkerState = Literal["idle", "busy", "suspended", "draining"]
@@ -29,7 +30,7 @@ class WorkerStats:
     tokens_per_s: float  # generated since the previous heartbeat
     last_heartbeat: float  # time.time()
     dtype: str = "unknown"  # what the model runs in (`--dtype auto` resolved)
-    quantization: str = "none"  # its linears' weights: none (in dtype) or int8 (`--quantization`)
+    quantization: str = DEFAULT_QUANTIZATION  # its linears' weights: none (in dtype) or int8 (`--quantization`)
     prefix_cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache, over those looked up, since start
     in_flight_by_class: str = ""  # e.g. "interactive=2,batch=30" (batcher/service_class.py)
     step_time_target_s: float = 0.0  # the last step's, given or measured (workers/scheduler/step_budget.py); 0: none

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rqbatcher.config import EngineConfig
+from rqbatcher.config import DEFAULT_QUANTIZATION, EngineConfig
 from rqbatcher.workers.bench.record import SystemRun
 from rqbatcher.workers.bench.workload import WorkloadRequest, shared_prefix_tokens
 
@@ -69,7 +69,7 @@ class BenchReport:
     requests: int
     prompt_tokens: int
     shared_prefix_tokens: int  # prompt tokens a perfect prefix cache would not compute
-    quantization: str = "none"  # of the linears' weights (EngineConfig.quantization)
+    quantization: str = DEFAULT_QUANTIZATION  # of the linears' weights (EngineConfig.quantization)
     systems: list[SystemReport] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -94,7 +94,7 @@ class BenchReport:
                   if self.shared_prefix_tokens else "no shared prefixes")
         lines = [f"{self.workload}: {self.requests} requests, {self.prompt_tokens} prompt tokens ({shared}); "
                  f"model {self.model} in {self.dtype}"
-                 + (f" with {self.quantization} weights" if self.quantization != "none" else "")
+                 + (f" with {self.quantization} weights" if self.quantization != DEFAULT_QUANTIZATION else "")
                  + f"; {self.threads} thread(s) on {self.device}; "
                  + ", ".join(f"{k} {v}" for k, v in self.versions.items()), header]
         for s in self.systems:

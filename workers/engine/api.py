@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from rqbatcher.config import DEFAULT_QUANTIZATION
 from rqbatcher.schema import ChatFormat, Choice, GenerationRequest, GenerationResult, Timings, TokenLogprob, Usage
 from rqbatcher.workers.scheduler.blocks import PrefixCacheStats
 
@@ -118,7 +119,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats  # prompt tokens looked up in the prefix cache, and found there, since the start
     dtype: str  # the dtype the model runs in, e.g. "bfloat16" (never "auto")
     last_step: StepStats | None
-    quantization: str = "none"  # its linears' weights: "none" (in dtype) or "int8" (EngineConfig.quantization)
+    quantization: str = DEFAULT_QUANTIZATION  # its linears' weights (EngineConfig.quantization)
     urgency_preemptions: dict[str, int] = field(default_factory=dict)  # since the start, by the preempted's class
     fairness_preemptions: int = 0  # since the start: interactive sequences that gave way to another tenant's
     step_time_target_s: float = 0.0  # the last step's target (given or measured; 0: none bound it)
