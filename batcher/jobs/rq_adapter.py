@@ -29,16 +29,16 @@ from rq.registry import FailedJobRegistry, clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import WORKERS_SUSPENDED
 from rq.utils import get_version, now
-from rq.worker import BaseWorker, WorkerStatus
+from rq.worker import BaseWorker, Worker, WorkerStatus
 
 from rqbatcher.jobs.queues import backlog_add_on, backlog_remove_on
 from rqbatcher.jobs.redis_text import as_text
 
 # The worker's modules take RQ's public names from here too, so that they never import rq themselves.
-__all__ = ["BaseJobWorker", "DeserializationError", "Execution", "InvalidJobOperation", "Job", "JobStatus",
-           "NoSuchJobError", "Queue", "WORKERS_SUSPENDED", "WorkerStatus", "get_version", "pin_server_version",
-           "failure_ttl", "taken_list_key", "rq_queue", "registry_counts", "requeue_failed_jobs", "cancel_taken_on",
-           "held_job_ids", "stop_job", "shut_down_worker"]
+__all__ = ["BaseJobWorker", "CommandThreadExit", "PromptExitWorker", "DeserializationError", "Execution",
+           "InvalidJobOperation", "Job", "JobStatus", "NoSuchJobError", "Queue", "WORKERS_SUSPENDED", "WorkerStatus",
+           "get_version", "pin_server_version", "failure_ttl", "taken_list_key", "rq_queue", "registry_counts",
+           "requeue_failed_jobs", "cancel_taken_on", "held_job_ids", "stop_job", "shut_down_worker"]
 
 SERVER_VERSION_ATTR = "__rq_redis_server_version"  # where RQ caches the server version it read with INFO
 # How long RQ's started registry believes a batcher execution lasts without a renewal. Batcher's own lease
@@ -46,6 +46,7 @@ SERVER_VERSION_ATTR = "__rq_redis_server_version"  # where RQ caches the server 
 # worker's maintenance) only sees executions whose every batcher worker has been gone this long.
 RQ_REGISTRY_HORIZON_S = 3600
 PUBSUB_RETRY_S = 2.0  # RQ's own pause before its command thread reconnects
+COMMAND_WAIT_S = 1.0  # the longest RQ's command thread waits at a time: what a worker's exit can wait on it
 # KEYS: an intermediate list, its queue. ARGV: a job id. Moves the job back to the front, if it is still taken.
 REQUEUE_TAKEN_LUA = """
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
@@ -61,7 +62,25 @@ def pin_server_version(connection: Redis, version: tuple[int, int, int]) -> None
     setattr(connection, SERVER_VERSION_ATTR, version)
 
 
-class BaseJobWorker(BaseWorker):
+class CommandThreadExit:
+    """RQ's command thread waits 60 s at a time, and redis-py 8's `stop()` joins it with no timeout. A worker that
+    unsubscribes while the thread starts another wait (the thread then waits for a subscription that never comes)
+    took a minute to exit: about one burst in eight. Waits of COMMAND_WAIT_S bound that; a command still arrives
+    at once, as the thread reads its channel whenever it is subscribed."""
+
+    def subscribe(self) -> None:
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=COMMAND_WAIT_S, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
+
+
+class PromptExitWorker(CommandThreadExit, Worker):
+    """RQ's stock worker (a forked process per job), whose exit never waits a minute on its command thread."""
+
+
+class BaseJobWorker(CommandThreadExit, BaseWorker):
     """The RQ side of a worker with many jobs in flight: reliable dequeue, one Execution per job, result
     recording through RQ's handlers one job at a time, leases in the started registries, maintenance under
     a short lock, and RQ's commands. `rqbatcher.workers.job_worker.worker.JobWorker` builds its loop on these."""

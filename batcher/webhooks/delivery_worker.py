@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable
 
 from redis import Redis
-from rq import Worker
 from rq.serializers import JSONSerializer
 
+from rqbatcher.jobs.rq_adapter import PromptExitWorker
 from rqbatcher.webhooks.delivery import DELIVERY_QUEUE
 from rqbatcher.webhooks.outbox import dispatch
 
@@ -43,7 +43,7 @@ def run(connect: Callable[[], Redis], *, burst: bool = False, interval_s: float 
         threading.Thread(target=dispatch_periodically, args=(connect, stop, interval_s), name="webhook-dispatch",
                          daemon=True).start()
     try:
-        Worker([DELIVERY_QUEUE], connection=connection, serializer=JSONSerializer).work(with_scheduler=True,
-                                                                                       burst=burst)
+        PromptExitWorker([DELIVERY_QUEUE], connection=connection, serializer=JSONSerializer).work(
+            with_scheduler=True, burst=burst)
     finally:
         stop.set()

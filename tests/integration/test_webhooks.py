@@ -25,6 +25,7 @@ from rq.serializers import JSONSerializer
 from rqbatcher.cli import main
 from rqbatcher.client import Client
 from rqbatcher.jobs import keys
+from rqbatcher.jobs.rq_adapter import CommandThreadExit, PromptExitWorker
 from rqbatcher.webhooks import addresses, delivery, endpoints, pinned_http
 from rqbatcher.webhooks.delivery import DELIVERY_QUEUE, delivery_job_id
 from rqbatcher.webhooks.event_payload import event_id
@@ -88,12 +89,16 @@ def connection(redis_url, monkeypatch):
     return Redis.from_url(redis_url)
 
 
+class BurstWorker(CommandThreadExit, SimpleWorker):
+    """RQ's in-process worker, whose exit does not wait a minute on its command thread (as stock RQ's can)."""
+
+
 def deliver_until(connection: Redis, done, timeout: float = 15) -> None:
     """Run the webhooks queue (with RQ's scheduler, for the retries) in bursts until `done()`."""
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, "the deliveries did not end in time"
-        SimpleWorker([DELIVERY_QUEUE], connection=connection, serializer=JSONSerializer).work(
+        BurstWorker([DELIVERY_QUEUE], connection=connection, serializer=JSONSerializer).work(
             burst=True, with_scheduler=True)
         time.sleep(0.2)
 
@@ -226,6 +231,25 @@ def test_the_webhooks_worker_command_dispatches_and_delivers(connection, redis_u
     [(_, headers, body)] = receiver.received
     event = unwrap(hook.secret, headers, body)
     assert (event.id, event.type, event.data.id) == (evt, "response.incomplete", "resp_abc")
+
+
+EXIT_BOUND_S = 20  # the stock command thread's wait is 60 s; ours is COMMAND_WAIT_S
+
+
+def test_a_worker_whose_command_thread_waits_for_a_subscription_still_exits_promptly(connection):
+    """The race behind a burst that took a minute to end: RQ's command thread, no longer subscribed, waits for a
+    subscription, and redis-py 8's stop() joins it without a timeout."""
+    worker = PromptExitWorker([DELIVERY_QUEUE], connection=connection, serializer=JSONSerializer)
+    worker.subscribe()
+    worker.pubsub.unsubscribe()
+    deadline = time.monotonic() + 5
+    while worker.pubsub.subscribed:  # the thread reads the confirmation, then waits for a subscription
+        assert time.monotonic() < deadline, "the unsubscribe was never confirmed"
+        time.sleep(0.01)
+    time.sleep(0.1)
+    started = time.monotonic()
+    worker.unsubscribe()
+    assert time.monotonic() - started < EXIT_BOUND_S and not worker.pubsub_thread.is_alive()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
