@@ -86,8 +86,8 @@ FP32 = Build("fp32", "batcher_fp32_kernels",
              # written out)
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
-# Linears on int8 weights (AVX2 integer dots), on every AVX2 CPU, AVX-512 ones included: no exclusion.
-INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("avx2.h",), ("avx2", "fma"), (),
+# Linears on int8 weights (AVX2 integer dots, AVX-512 VNNI ones chosen at run time), on every AVX2 CPU: no exclusion.
+INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("avx2.h", "int8_tiles.h"), ("avx2", "fma"), (),
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DINT8_BLOCK={INT8_BLOCK}"))
 BUILDS = (BF16, FP32, INT8)  # every build: `main` (the image's build stage, setup.py) compiles them all
 

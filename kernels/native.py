@@ -21,8 +21,9 @@ dtype.
 The int8 build (`INT8`: AVX2 and FMA, so it loads on every AVX2 CPU, AVX-512 ones included, beside either build
 above) holds `int8_linear`: `x @ W.T + b` on weights of one byte (symmetric per output channel, `wscale`), x
 quantized per row in blocks of INT8_BLOCK (32) values with a scale each, integer dots per block (llama.cpp's Q8_0
-arithmetic on AVX2), for 8-bit models: a decode step streams a quarter of fp32's bytes. Any number of rows, each
-computed in one order whatever the rows beside it and the threads (batch invariant). The arithmetic is written in
+arithmetic on AVX2; one AVX-512 VNNI instruction per block's dot where the CPU has it, chosen at run time, with the
+same bits), for 8-bit models: a decode step streams a quarter of fp32's bytes. Any number of rows, each computed
+in one order whatever the rows beside it and the threads (batch invariant). The arithmetic is written in
 kernels/csrc/int8_linear.cpp's header; workers/model/int8_linear.py holds torch's reference of it.
 
 What each build is made of (sources, CPU flags, compile flags) is defined in `kernels.build`, and named here too.
@@ -253,11 +254,12 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, isa: str = "") -> torch.Tensor:
     """`x @ W.T + bias` for fp32 `x [..., K]` (any number of rows) on `qweight` int8 `[N, K]` (contiguous) and its
     per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK values (kernels/csrc/int8_linear.cpp);
-    where `load(INT8)` is not None."""
-    return load(INT8).int8_linear(x, qweight, wscale, bias)
+    where `load(INT8)` is not None. `isa`: the variant (`avx2`, `avx512-vnni`), by default this CPU's best
+    (`load(INT8).isa`); every variant gives the same bits."""
+    return load(INT8).int8_linear(x, qweight, wscale, bias, isa)
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ dots per block. Only the order of the float sums may differ, so the tolerance is
 Each row's bits must not depend on the rows beside it, nor on the threads.
 
 It runs on every CPU with AVX2 and FMA (elsewhere these tests skip); a CPU that has them but fails to build it fails
-here.
+here. Where the CPU has AVX-512 VNNI, its variant runs by default and must give the AVX2 variant's bits.
 """
 
 import pytest
@@ -16,6 +16,8 @@ from rqbatcher.kernels import native
 BLOCK = native.INT8_BLOCK
 pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.INT8.cpu_flags),
                                 reason="the int8 kernel needs AVX2 and FMA")
+HAS_VNNI = {"avx512_vnni", "avx512vl"} <= set(native.cpu_flags())
+VARIANTS = ["avx2", "avx512-vnni"] if HAS_VNNI else ["avx2"]
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +52,8 @@ def operands(rows, K, N, seed, bias=True):
     return x, qweight, wscale, torch.randn(N, generator=generator) if bias else None
 
 
-def check(x, qweight, wscale, bias):
-    got = native.int8_linear(x, qweight, wscale, bias)
+def check(x, qweight, wscale, bias, isa=""):
+    got = native.int8_linear(x, qweight, wscale, bias, isa)
     want, scale = reference(x, qweight, wscale, bias)
     assert got.dtype == torch.float32 and got.shape == want.shape
     error = (got.double() - want).abs()
@@ -61,14 +63,36 @@ def check(x, qweight, wscale, bias):
 def test_the_kernel_builds_on_a_cpu_it_serves():
     assert native.load(native.INT8) is not None, native.unavailable_reason(native.INT8)
     assert native.load(native.INT8).block == BLOCK
+    assert native.load(native.INT8).isa == ("avx512-vnni" if HAS_VNNI else "avx2")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 33, 100])
 @pytest.mark.parametrize("K, N", [(64, 12), (100, 7), (576, 37), (5, 3), (33, 1)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_int8_linear_matches_the_reference(rows, K, N, with_bias):
-    """Rows in pairs and alone, W's rows in fours and a remainder, K of whole blocks and with a shorter last one."""
-    check(*operands(rows, K, N, seed=rows * 1000 + K + N, bias=with_bias))
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_int8_linear_matches_the_reference(rows, K, N, with_bias, isa):
+    """Rows in fours, pairs and alone, W's rows in fours and a remainder, K of whole blocks and with a shorter last
+    one."""
+    check(*operands(rows, K, N, seed=rows * 1000 + K + N, bias=with_bias), isa=isa)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_bf16_x_gives_the_float_results_rounded_to_bf16(isa):
+    """A bf16 model's linears call the kernel with no cast: bf16 in, the fp32 result rounded as torch rounds out."""
+    for rows, K, N in ((1, 576, 37), (5, 33, 9), (70, 300, 101)):
+        x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K)
+        xb = x.bfloat16()
+        got = native.int8_linear(xb, qweight, wscale, bias, isa)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, native.int8_linear(xb.float(), qweight, wscale, bias, isa).bfloat16()), (rows, K, N)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+def test_the_vnni_variant_gives_the_avx2_variants_bits():
+    for rows, K, N in ((1, 576, 37), (3, 100, 9), (7, 64, 12), (70, 300, 101), (130, 33, 5)):
+        x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K + N)
+        assert torch.equal(native.int8_linear(x, qweight, wscale, bias, "avx512-vnni"),
+                           native.int8_linear(x, qweight, wscale, bias, "avx2")), (rows, K, N)
 
 
 def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
@@ -112,7 +136,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch():
     x, qweight, wscale, bias = operands(130, 200, 37, seed=11)
     alone = torch.cat([native.int8_linear(x[r:r + 1], qweight, wscale, bias) for r in range(len(x))])
     generator = torch.Generator().manual_seed(0)
-    for size in (*range(1, 17), 31, 32, 33, 63, 64, 65, 100, 130):  # tiles of 2 and chunks of 64 rows, any position
+    for size in (*range(1, 17), 31, 32, 33, 63, 64, 65, 100, 130):  # tiles of 4, 2, 1, chunks of 64 rows
         for _ in range(2):
             picked = torch.randperm(len(x), generator=generator)[:size]
             assert torch.equal(native.int8_linear(x[picked], qweight, wscale, bias), alone[picked]), size
@@ -132,15 +156,23 @@ def test_the_threads_do_not_change_the_bits():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda q, s: native.int8_linear(torch.randn(2, 8).double(), q, s, None), "x must be an fp32 CPU tensor"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 8).double(), q, s, None), "x must be an fp32 or bf16 CPU tensor"),
     (lambda q, s: native.int8_linear(torch.randn(2, 8), q.float(), s, None), "qweight must be an int8 CPU tensor"),
     (lambda q, s: native.int8_linear(torch.randn(2, 4), q.t(), s, None), "contiguous"),
     (lambda q, s: native.int8_linear(torch.randn(2, 9), q, s, None), "9 features"),
     (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s[:3], None), "wscale must be 4"),
     (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s.half(), None), "wscale must be an fp32"),
     (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s, torch.randn(3)), "bias has 3 values"),
+    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s, None, "avx10"), "no int8 variant 'avx10'"),
 ])
 def test_it_refuses_what_it_cannot_compute(call, message):
     qweight, wscale = quantize_weight(torch.randn(4, 8))
     with pytest.raises(RuntimeError, match=message):
         call(qweight, wscale)
+
+
+@pytest.mark.skipif(HAS_VNNI, reason="this CPU has AVX-512 VNNI")
+def test_the_vnni_variant_is_refused_where_the_cpu_lacks_it():
+    qweight, wscale = quantize_weight(torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="this CPU has no AVX-512 VNNI"):
+        native.int8_linear(torch.randn(2, 8), qweight, wscale, None, "avx512-vnni")

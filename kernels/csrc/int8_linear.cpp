@@ -1,37 +1,43 @@
-// The int8 CPU kernels (AVX2): a linear layer on 8-bit weights. This file binds the build's module.
+// The int8 CPU kernels (AVX2, and AVX-512 VNNI where present): a linear layer on 8-bit weights. This file binds the
+// build's module.
 //
 // Why: a decode step reads every weight once per step, so its floor is the weights' bytes over the memory's pace.
-// Weights of 1 byte (symmetric, per output channel) cut that floor ~4x against fp32. AVX2 and FMA only, so the
-// build loads on every AVX2 CPU, AVX-512 ones included (the fp32 build is ruled out there; this one is not).
+// Weights of 1 byte (symmetric, per output channel) cut that floor ~4x against fp32. Compiled for AVX2 and FMA (the
+// VNNI variant alone for more, and called only where the CPU has it), so the build loads on every AVX2 CPU, AVX-512
+// ones included (the fp32 build is ruled out there; this one is not).
 //
 // The arithmetic (kernels/native.py's `int8_linear` and workers/model/int8_linear.py's torch reference share it):
 // - qweight int8 [N, K], contiguous, symmetric per output channel: q[n, k] = W[n, k] / wscale[n] rounded, in
 //   [-127, 127]; wscale fp32 [N] (workers/model/int8_linear.py chooses each row's clip); a zero row: scale 0, q 0.
-// - x fp32 [..., K] (M rows; any M, any K >= 1), quantized per row in blocks of BLOCK = 32 along K (the last one
-//   may be shorter): amax = max |x[r, block]|, sx = amax / 127, qx = round_half_even(x * (127.0f / amax)) in
-//   [-127, 127] (amax 0: sx 0, q 0). _mm256_cvtps_epi32 rounds to nearest even under the default MXCSR mode, as
-//   torch.round does.
-// - y[r, n] = wscale[n] * sum_b(sx[r, b] * isum[r, n, b]) + bias[n] (fp32 [..., N]), isum the exact int32 dot of
-//   block b's int8 values.
-// Each block's dot: _mm256_sign_epi8 moves x's signs onto the weights, _mm256_maddubs_epi16 multiplies |qx| by
-// them (exact: 2 * 127 * 127 fits in int16), _mm256_madd_epi16 with ones sums pairs into 8 int32 lanes (llama.cpp's
-// Q8_0 dot). Its lanes, exact as floats, times sx, are summed into 8 fp32 lanes per output, block after block;
-// the 8 lanes are summed at the end (batcher::hsum). So only the order of the float sums differs from the torch
-// reference.
+// - x fp32 or bf16 [..., K] (M rows; any M, any K >= 1; bf16 widened to fp32 exactly), quantized per row in
+//   blocks of BLOCK = 32 along K (the last one may be shorter): amax = max |x[r, block]|, sx = amax / 127,
+//   qx = round_half_even(x * (127.0f / amax)) in [-127, 127] (amax 0: sx 0, q 0). _mm256_cvtps_epi32 rounds to
+//   nearest even under the default MXCSR mode, as torch.round does.
+// - y[r, n] = wscale[n] * sum_b(sx[r, b] * isum[r, n, b]) + bias[n] in fp32 [..., N], isum the exact int32 dot of
+//   block b's int8 values; in x's dtype (bf16 rounded to nearest even, as torch's `.to` rounds): a bf16 model's
+//   linears then cast nothing around the call (two casts a linear were ~6% of a lone bf16 step).
+// Each block's dot: _mm256_sign_epi8 moves x's signs onto the weights, and |qx| times them gives 8 int32 lanes, lane i
+// the exact sum of bytes 4i..4i+3's products: on AVX2 _mm256_maddubs_epi16 (exact: 2 * 127 * 127 fits in int16) then
+// _mm256_madd_epi16 with ones (llama.cpp's Q8_0 dot); where the CPU has AVX-512 VNNI, one vpdpbusd on the same 256
+// bits, chosen at run time (the `vnni` namespace, compiled for it by pragma; `isa` names the one that runs). The
+// lanes, exact as floats, times sx, are summed into 8 fp32 lanes per output, block after block; the 8 lanes are
+// summed at the end (batcher::hsum). So the variants give the same bits, and only the order of the float sums
+// differs from the torch reference.
 //
 // Layout and order: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with
 // zeros, one scale per block). W is streamed once: W_ROWS of its rows side by side, each block read once and met
-// by every row of x while it stays in the cache, X_ROWS rows of x at a time (ROW_CHUNK rows at most per pass over
-// W, so a prefill's scratch stays in L2). Threads split the output channels (at::parallel_for).
+// by every row of x while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 4 on
+// AVX-512's 32; ROW_CHUNK rows at most per pass over W, so a prefill's scratch stays in L2). Threads split the
+// output channels (at::parallel_for). The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
 // Batch invariance: each output is computed by the same instructions in the same order whatever the tile, the
 // number of rows, the other rows and the threads (no FMA contraction: -ffp-contract=off), so a row's bits never
 // depend on its batch (docs/batch-invariance.md).
 //
-// Speed: at one row it streams W near the memory's pace; from a few rows on, the multiplies bind it (maddubs and
-// madd, ~2 cycles per row, output and block on an AMD EPYC Zen 4, whatever the tiles): about MKL's fp32 speed at
-// 32 rows and more. Not written yet: an AVX-512 VNNI variant (vpdpbusd: the sign, maddubs and madd in one
-// instruction, on 64 bytes) and an AMX-INT8 one (tile products of int8 for prefill's many rows).
+// Speed (one thread, AMD EPYC Zen 4, SmolLM2's 1536 x 576 weight from the cache): at one row it streams W near the
+// memory's pace; from a few rows on, the integer dots and the per-block float sums bind it. AVX2: about MKL's fp32
+// speed at 32 rows and more. VNNI: 1.2-1.6x the AVX2 variant from 8 rows on, still ~1.6x torch's bf16 (oneDNN's
+// AVX512-BF16) time at 32-512 rows. Not written yet: an AMX-INT8 variant (tile products for prefill's many rows).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "avx2.h"
@@ -53,7 +60,6 @@ using batcher::tail_mask;
 
 constexpr int BLOCK = INT8_BLOCK;  // kernels/build.py's INT8_BLOCK: x's quantization block, one AVX2 vector of int8
 static_assert(BLOCK == 32, "a block is one 256-bit vector of int8");
-constexpr int X_ROWS = 2;           // rows of x per pass over W_ROWS of W's rows: 8 accumulators
 constexpr int W_ROWS = 4;           // W's rows read side by side
 constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
 constexpr int64_t PREFETCH = 8192;  // bytes of W ahead of a group's start that its first pass asks the cache for
@@ -67,14 +73,27 @@ struct Quantized {
   std::vector<float> scale;
 };
 
-// One row's block of n <= 32 values into 32 int8 (zeros past n) and its scale.
-inline float quantize_block(const float* x, int64_t n, int8_t* q) {
-  __m256 v[4];
-  for (int i = 0; i < 4; i++) {
-    const int64_t left = n - 8 * i;
-    v[i] = left >= 8 ? _mm256_loadu_ps(x + 8 * i)
-           : left > 0 ? _mm256_maskload_ps(x + 8 * i, tail_mask(left)) : _mm256_setzero_ps();
+// Up to 8 of x's values as fp32 (zeros past `left`); bf16 widens exactly.
+inline __m256 load8(const float* x, int64_t left) {
+  return left >= 8 ? _mm256_loadu_ps(x) : left > 0 ? _mm256_maskload_ps(x, tail_mask(left)) : _mm256_setzero_ps();
+}
+
+inline __m256 load8(const c10::BFloat16* x, int64_t left) {
+  alignas(16) uint16_t part[8] = {};
+  const void* from = x;
+  if (left < 8) {
+    std::memcpy(part, x, 2 * std::max<int64_t>(left, 0));
+    from = part;
   }
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(from)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// One row's block of n <= 32 values into 32 int8 (zeros past n) and its scale.
+template <typename T>
+inline float quantize_block(const T* x, int64_t n, int8_t* q) {
+  __m256 v[4];
+  for (int i = 0; i < 4; i++) v[i] = load8(x + 8 * i, n - 8 * i);
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
   __m256 a[4], bad = _mm256_setzero_ps();
   for (int i = 0; i < 4; i++) {
@@ -103,7 +122,8 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q) {
   return amax / 127.0f;
 }
 
-Quantized quantize_rows(const float* x, int64_t rows, int64_t K) {
+template <typename T>
+Quantized quantize_rows(const T* x, int64_t rows, int64_t K) {
   Quantized out;
   out.blocks = (K + BLOCK - 1) / BLOCK;
   out.stride = out.blocks * BLOCK;
@@ -125,73 +145,54 @@ struct Operands {
   int64_t K, N;
   const float* wscale;
   const float* bias;  // nullptr: none
-  float* y;
+  float* y;                // fp32 output, or
+  c10::BFloat16* y_bf16;   // bf16 output (x's dtype), rounded to nearest even as torch rounds
 };
 
-// y[r][n + j] for R rows of x from `row` (r < R) and W's rows n + j (j < WN). With `prefetch` (a group's first
-// pass), each block also asks for the WN * 32 bytes of W that lie PREFETCH ahead: W's rows are short streams
-// (K bytes each) that the hardware prefetchers barely learn, so a weight that does not fit the caches streamed at
-// a quarter of the memory's pace without it (7 GB/s against 30, one row, 576 x 98304 on an AMD EPYC Zen 4).
-template <int R, int WN>
-inline void dot_rows(const Operands& o, int64_t row, int64_t n, bool prefetch) {
-  __m256 acc[R][WN];
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < WN; j++) acc[r][j] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* qx = o.x.q.data() + row * o.x.stride;
-  const float* sx = o.x.scale.data() + row * o.x.blocks;
-  const int8_t* w_row = o.w + n * o.K;
-  auto block = [&](int64_t b, const __m256i (&wv)[WN]) {
-    for (int r = 0; r < R; r++) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * o.x.stride + b * BLOCK));
-      const __m256i ax = _mm256_sign_epi8(xv, xv);
-      const __m256 s = _mm256_set1_ps(sx[r * o.x.blocks + b]);
-      for (int j = 0; j < WN; j++) {
-        const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xv));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[r][j] = _mm256_fmadd_ps(dot, s, acc[r][j]);
-      }
-    }
-  };
-  const int64_t full = o.K / BLOCK;
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w_row) + PREFETCH;  // (past W's end: a no-op)
-  for (int64_t b = 0; b < full; b++) {
-    if (prefetch)
-      for (int line = 0; line < WN * BLOCK; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * WN * BLOCK + line), _MM_HINT_T0);
-    __m256i wv[WN];  // (declared here, so the compiler keeps them in registers)
-    for (int j = 0; j < WN; j++)
-      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_row + j * o.K + b * BLOCK));
-    block(b, wv);
-  }
-  if (full < o.x.blocks) {  // the last, shorter block: x's scratch holds zeros past K
-    __m256i wv[WN];
-    alignas(32) int8_t tail[WN][BLOCK] = {};
-    for (int j = 0; j < WN; j++) {
-      std::memcpy(tail[j], w_row + j * o.K + full * BLOCK, o.K - full * BLOCK);
-      wv[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail[j]));
-    }
-    block(full, wv);
-  }
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < WN; j++) {
-      const float scaled = o.wscale[n + j] * hsum(acc[r][j]);
-      o.y[(row + r) * o.N + n + j] = o.bias ? scaled + o.bias[n + j] : scaled;
-    }
+namespace avx2 {
+constexpr int X_ROWS = 2;  // rows of x per pass over W_ROWS of W's rows: 8 accumulators of AVX2's 16 registers
+// maddubs pairs |qx| with the signed weights into int16 (exact: 2 * 127 * 127 fits), madd sums pairs of them.
+inline __m256i dot4(__m256i ax, __m256i sw) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+}
+#include "int8_tiles.h"
+}  // namespace avx2
+
+// AVX-512 VNNI (with VL, on 256-bit vectors): vpdpbusd sums the four products of each lane in one instruction.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512vnni"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512vnni")
+#endif
+namespace vnni {
+constexpr int X_ROWS = 4;  // 16 accumulators: AVX-512 has 32 registers
+inline __m256i dot4(__m256i ax, __m256i sw) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw); }
+#include "int8_tiles.h"
+}  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+bool vnni_present() {
+  static const bool present = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  return present;
 }
 
-// Rows [begin, end) of x against W's rows n..n+WN-1, which stay in the cache between passes.
-template <int WN>
-void all_rows(const Operands& o, int64_t begin, int64_t end, int64_t n) {
-  int64_t r = begin;
-  for (; r + X_ROWS <= end; r += X_ROWS) dot_rows<X_ROWS, WN>(o, r, n, r == begin);
-  static_assert(X_ROWS == 2, "one row is left at most");
-  if (r < end) dot_rows<1, WN>(o, r, n, r == begin);
-}
+const char* const ISA_AVX2 = "avx2";
+const char* const ISA_VNNI = "avx512-vnni";
 
+// `isa`: the variant to run, this CPU's best where empty (the others are for tests and benchmarks).
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale,
-                          c10::optional<torch::Tensor> bias) {
-  check_fp32(x, "x");
+                          c10::optional<torch::Tensor> bias, const std::string& isa) {
+  const bool vnni = isa.empty() ? vnni_present() : isa == ISA_VNNI;
+  TORCH_CHECK(isa.empty() || isa == ISA_AVX2 || isa == ISA_VNNI, "no int8 variant '", isa, "'");
+  TORCH_CHECK(!vnni || vnni_present(), "this CPU has no AVX-512 VNNI");
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == torch::kFloat32),
+              "x must be an fp32 or bf16 CPU tensor, not ", x.scalar_type());
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == torch::kInt8,
               "qweight must be an int8 CPU tensor, not ", qweight.scalar_type());
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight must be a contiguous [N, K] matrix");
@@ -215,21 +216,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
   if (rows == 0 || N == 0) return y;
-  const Quantized quantized = quantize_rows(x2.data_ptr<float>(), rows, K);
-  const Operands o{quantized, qweight.data_ptr<int8_t>(), K, N, wscale.data_ptr<float>(), b, y.data_ptr<float>()};
-  at::parallel_for(0, (N + W_ROWS - 1) / W_ROWS, GRAIN / W_ROWS, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < rows; first += ROW_CHUNK) {
-      const int64_t last = std::min(rows, first + ROW_CHUNK);
-      for (int64_t group = begin; group < end; group++) {
-        const int64_t n = W_ROWS * group;
-        if (n + W_ROWS <= N) {
-          all_rows<W_ROWS>(o, first, last, n);
-        } else {
-          for (int64_t one = n; one < N; one++) all_rows<1>(o, first, last, one);
-        }
-      }
-    }
-  });
+  const Quantized quantized = bf16 ? quantize_rows(x2.data_ptr<c10::BFloat16>(), rows, K)
+                                   : quantize_rows(x2.data_ptr<float>(), rows, K);
+  const Operands o{quantized, qweight.data_ptr<int8_t>(), K, N, wscale.data_ptr<float>(), b,
+                   bf16 ? nullptr : y.data_ptr<float>(), bf16 ? y.data_ptr<c10::BFloat16>() : nullptr};
+  if (vnni)
+    vnni::pass_over_w(o, rows);
+  else
+    avx2::pass_over_w(o, rows);
   return y;
 }
 
@@ -237,6 +231,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ W.T + b on int8 weights (per-channel scales) and x quantized per block of 32",
-        pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("wscale"), pybind11::arg("bias"));
+        pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("wscale"), pybind11::arg("bias"),
+        pybind11::arg("isa") = "");
   m.attr("block") = BLOCK;
+  m.attr("isa") = vnni_present() ? ISA_VNNI : ISA_AVX2;  // what runs by default
 }

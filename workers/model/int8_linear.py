@@ -115,17 +115,20 @@ def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.
     return out
 
 
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel reads and writes as they are
+
+
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
                 on_native: bool) -> torch.Tensor:
-    """`y [M, N]` of contiguous float32 `x [M, K]`: on the native kernel where `on_native` (`native_int8`), else the
-    reference (and always the reference in a compiled forward, which traces it, and at no rows)."""
-    if on_native and x.shape[0] and not torch.compiler.is_compiling():
-        return native.int8_linear(x, qweight, wscale, bias)
-    return int8_linear_reference(x, qweight, wscale, bias)
-
-
-def _rows(x: torch.Tensor, features: int) -> torch.Tensor:
-    return x.reshape(-1, features).float().contiguous()
+    """`y [..., N]` of `x [..., K]`, in x's dtype: on the native kernel where `on_native` (`native_int8`), with no
+    cast for float32 or bfloat16 x, else the reference in float32 (and always the reference in a compiled forward,
+    which traces it, and at no rows)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if on_native and rows.shape[0] and not torch.compiler.is_compiling():
+        y = native.int8_linear(rows if x.dtype in NATIVE_DTYPES else rows.float(), qweight, wscale, bias)
+    else:
+        y = int8_linear_reference(rows.float().contiguous(), qweight, wscale, bias)
+    return y.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
 
 
 class Int8Linear(torch.nn.Module):
@@ -149,8 +152,7 @@ class Int8Linear(torch.nn.Module):
         return cls(qweight, wscale, module.bias, on_native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_linear(_rows(x, self.in_features), self.qweight, self.wscale, self.bias, self.on_native)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return int8_linear(x, self.qweight, self.wscale, self.bias, self.on_native)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -220,8 +222,7 @@ class Int8JointLinear:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.qweight is None:
             return [module(x) for module in self.modules]
-        y = int8_linear(_rows(x, self.qweight.shape[1]), self.qweight, self.wscale, self.bias, self.on_native)
-        return y.to(x.dtype).view(*x.shape[:-1], -1).split(self.sizes, dim=-1)
+        return int8_linear(x, self.qweight, self.wscale, self.bias, self.on_native).split(self.sizes, dim=-1)
 
 
 def joint_linear(modules: list[torch.nn.Module]) -> Int8JointLinear | JointLinear:
