@@ -53,6 +53,12 @@ LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed 
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
 FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
 INT8_BLOCK = 32  # int8_linear quantizes x per block of this many values along K (one AVX2 vector of int8)
+# at::parallel_for splits work across torch's threads only in a build compiled with OpenMP (without it, ATen's
+# header runs the whole range on the calling thread: every kernel was single-threaded whatever --threads said); the
+# link then names libgomp.so.1, which resolves to the copy torch has loaded, so torch.set_num_threads governs the
+# build's threads too. The fp32 build (AVX2 CPUs without AVX-512) is not compiled with it yet: its kernels' threads
+# have not been tested on such a CPU.
+OPENMP = "-fopenmp"
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: `load(build)` runs in every kernel call
@@ -77,7 +83,7 @@ BF16 = Build("bf16", "batcher_cpu_kernels",
              ("common.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-              f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}",
+              OPENMP, f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 FP32 = Build("fp32", "batcher_fp32_kernels",
              ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),
@@ -88,7 +94,7 @@ FP32 = Build("fp32", "batcher_fp32_kernels",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 # Linears on int8 weights (AVX2 integer dots, AVX-512 VNNI ones chosen at run time), on every AVX2 CPU: no exclusion.
 INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("avx2.h", "int8_tiles.h"), ("avx2", "fma"), (),
-             ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DINT8_BLOCK={INT8_BLOCK}"))
+             ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DINT8_BLOCK={INT8_BLOCK}"))
 BUILDS = (BF16, FP32, INT8)  # every build: `main` (the image's build stage, setup.py) compiles them all
 
 
@@ -195,7 +201,8 @@ def _commands(build: Build, folder: Path) -> tuple[list[list[str]], list[str]]:
     objects = [str(folder / f"{Path(source).stem}.o") for source in build.sources]
     compiles = [[cxx, *cflags, "-c", str(build.csrc / source), "-o", obj]
                 for source, obj in zip(build.sources, objects, strict=True)]
-    link = [cxx, *objects, "-shared", *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu",
+    openmp = [flag for flag in build.compile_flags if flag == OPENMP]  # links the libgomp torch has loaded already
+    link = [cxx, *objects, "-shared", *openmp, *(f"-L{path}" for path in library_paths()), "-lc10", "-ltorch_cpu",
             "-ltorch", "-ltorch_python", "-o", str(folder / f"{build.name}.so")]
     return compiles, link
 
