@@ -255,10 +255,10 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                 bias: torch.Tensor | None, isa: str = "") -> torch.Tensor:
-    """`x @ W.T + bias` for fp32 `x [..., K]` (any number of rows) on `qweight` int8 `[N, K]` (contiguous) and its
-    per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK values (kernels/csrc/int8_linear.cpp);
-    where `load(INT8)` is not None. `isa`: the variant (`avx2`, `avx512-vnni`), by default this CPU's best
-    (`load(INT8).isa`); every variant gives the same bits."""
+    """`x @ W.T + bias` for fp32 or bf16 `x [..., K]` (any number of rows; the result in x's dtype) on `qweight`
+    int8 `[N, K]` (contiguous) and its per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK values
+    (kernels/csrc/int8_linear.cpp); where `load(INT8)` is not None. `isa`: the variant (`avx2`, `avx512-vnni`), by
+    default this CPU's best (`load(INT8).isa`); every variant gives the same bits."""
     return load(INT8).int8_linear(x, qweight, wscale, bias, isa)
 
 
