@@ -21,6 +21,7 @@ import contextlib
 import functools
 import statistics
 import time
+from unittest import mock
 
 import click
 import torch
@@ -47,14 +48,10 @@ class KernelClock:
 
     @contextlib.contextmanager
     def timing(self):
-        originals = {name: getattr(native, name) for name in LINEARS + OTHER_KERNELS}
-        for name, kernel in originals.items():
-            setattr(native, name, self._timed(name, kernel))
-        try:
+        with contextlib.ExitStack() as patches:
+            for name in LINEARS + OTHER_KERNELS:
+                patches.enter_context(mock.patch.object(native, name, self._timed(name, getattr(native, name))))
             yield self
-        finally:
-            for name, kernel in originals.items():
-                setattr(native, name, kernel)
 
     def _timed(self, name: str, kernel):
         def call(*args, **kwargs):
@@ -66,15 +63,9 @@ class KernelClock:
         return call
 
 
-@contextlib.contextmanager
 def int8_variant(isa: str):
     """Every int8 linear of the block runs kernel variant `isa` (this CPU's best where empty)."""
-    best = native.int8_linear
-    native.int8_linear = functools.partial(best, isa=isa)
-    try:
-        yield
-    finally:
-        native.int8_linear = best
+    return mock.patch.object(native, "int8_linear", functools.partial(native.int8_linear, isa=isa))
 
 
 def decode_steps(engine, tokens: int, batch: int, clock: KernelClock | None = None) -> list[float]:
