@@ -313,6 +313,7 @@ class Choice(_Tolerant):
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
+    stop_sequence: str | None = None  # as the result's
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -333,6 +334,7 @@ class GenerationResult(_Tolerant):
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
+    stop_sequence: str | None = Field(None, description="the request's stop string that ended the text")
     usage: Usage
     timings: Timings = Field(default_factory=Timings)
     worker: str | None = None

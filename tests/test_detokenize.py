@@ -27,6 +27,16 @@ def test_stop_string_cuts_text_and_is_never_streamed():
         streamed += detok.push(t)
         if detok.stopped:
             break
-    assert detok.stopped
+    assert detok.stopped and detok.matched == "naïve"
     assert detok.text == tok.decode(ids[1:])[: tok.decode(ids[1:]).index("naïve")]
     assert streamed == detok.text
+
+
+def test_of_two_stop_strings_completed_by_one_token_the_earlier_one_ends_the_text():
+    tok = build_tokenizer()
+    ids = tok(TEXT)["input_ids"]
+    detok = IncrementalDetokenizer(tok, ids[:1], stop=["ïve", "naïve"])  # both end at the same character
+    for t in ids[1:]:
+        detok.push(t)
+    whole = tok.decode(ids[1:])
+    assert (detok.text, detok.matched) == (whole[: whole.index("naïve")], "naïve")

@@ -80,7 +80,7 @@ def test_stop_string_ends_with_stop_and_is_cut_from_the_text(llama):
         for out in engine.step():
             deltas.append(out.delta_text)
             final = out
-    assert final.finish_reason == "stop"
+    assert (final.finish_reason, final.stop_sequence) == ("stop", stop)
     assert final.text == text[: text.index(stop)]
     assert "".join(deltas) == final.text  # streamed deltas never leaked any of the stop string
 

@@ -6,6 +6,7 @@ Anthropic's shape."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import anthropic
 import pytest
@@ -34,8 +35,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
 
 class ScriptedEngine(FakeEngine):
     """The fake engine, but a chat whose last message starts with SAY is answered with the rest of that message,
-    a character a token (a tool call's exact text, say), ending `stop` (`length` at max_tokens); one of BOOM fails
-    in its first step."""
+    a character a token (a tool call's exact text, say), ending `stop` (`length` at max_tokens), or where the earliest
+    of the request's stop strings begins (naming it); one of BOOM fails in its first step."""
 
     def advance(self, request_id, req):
         messages = req.request.messages or []
@@ -46,13 +47,17 @@ class ScriptedEngine(FakeEngine):
         if script is None:
             return super().advance(request_id, req)
         text = script[len(SAY):]
+        hits = [(text.find(s), s) for s in req.request.sampling.stop if s in text]
+        at, matched = min(hits) if hits else (len(text), None)
+        text = text[:at]
         new = [ord(text[len(req.generated)])] if len(req.generated) < len(text) else []
         req.generated += new
         done = len(req.generated) in (len(text), req.request.sampling.max_tokens)
         if done:
             del self.requests[request_id]
         reason = None if not done else "stop" if len(req.generated) == len(text) else "length"
-        return self.output(request_id, req, new, finish_reason=reason)
+        out = self.output(request_id, req, new, finish_reason=reason)
+        return replace(out, stop_sequence=matched) if reason == "stop" else out
 
 
 @pytest.fixture(name="scripted_worker")
@@ -226,6 +231,20 @@ def test_a_tool_call_is_a_tool_use_block_and_its_result_a_next_turn(client, scri
 def test_a_scripted_text_answer_ends_its_turn(client, scripted_worker):
     message = client.messages.create(model=MODEL, max_tokens=50, tools=[WEATHER], messages=ask(SAY + "Sunny."))
     assert [(b.type, b.text) for b in message.content] == [("text", "Sunny.")] and message.stop_reason == "end_turn"
+
+
+def test_a_stop_sequence_ends_the_turn_naming_itself_whole_or_streamed(client, scripted_worker):
+    asked = {"model": MODEL, "max_tokens": 50, "messages": ask(SAY + "Sunny. Then rain. END"),
+             "stop_sequences": ["END", "Then"]}
+    message = client.messages.create(**asked)
+    assert [(b.type, b.text) for b in message.content] == [("text", "Sunny. ")]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "Then")
+    with client.messages.stream(**asked) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.content[0].text, streamed.stop_reason, streamed.stop_sequence) == (
+        "Sunny. ", "stop_sequence", "Then")
+    unmatched = client.messages.create(**{**asked, "stop_sequences": ["hail"]})
+    assert (unmatched.stop_reason, unmatched.stop_sequence) == ("end_turn", None)
 
 
 def test_count_tokens_counts_the_prompt_as_the_worker_renders_it(client, worker):

@@ -4,9 +4,9 @@ A model that reasons (the worker's ChatFormat names its markers) has its reasoni
 (batcher/reasoning.py) into a thinking block, whose signature is empty: batcher signs nothing, and drops thinking
 blocks sent back. The rest is read for calls as the chat endpoint reads it (batcher/tools/calls.py), and a call's id
 becomes a tool_use id (`toolu_` and the same digest), so a streamed answer and a whole one give the same ids.
-batcher's finish reasons in Anthropic's words: `stop` is end_turn (tool_use when the answer made calls), a token
-limit or a running timeout is max_tokens. A stop sequence ends the answer as Anthropic's does, but the worker does not
-report which one matched, so the answer says end_turn with no stop_sequence. Usage: Anthropic's input_tokens leaves
+batcher's finish reasons in Anthropic's words: `stop` is end_turn (tool_use when the answer made calls), or
+stop_sequence with the one that matched (the worker reports it), a token limit or a running timeout is max_tokens.
+Usage: Anthropic's input_tokens leaves
 out the prompt tokens read from the cache (cache_read_input_tokens): the worker's prefix cache hits.
 """
 
@@ -21,7 +21,7 @@ from rqbatcher.tools.calls import CALL_ID_PREFIX, Call
 MESSAGE_ID_PREFIX = "msg_"
 TOOL_USE_ID_PREFIX = "toolu_"
 NO_SIGNATURE = ""  # a thinking block's signature: batcher signs nothing
-END_TURN, TOOL_USE, MAX_TOKENS = "end_turn", "tool_use", "max_tokens"
+END_TURN, TOOL_USE, MAX_TOKENS, STOP_SEQUENCE = "end_turn", "tool_use", "max_tokens", "stop_sequence"
 STOP_REASONS = {"stop": END_TURN, "length": MAX_TOKENS, "timeout": MAX_TOKENS}
 
 
@@ -33,9 +33,12 @@ def tool_use_id(call_id: str) -> str:
     return TOOL_USE_ID_PREFIX + call_id.removeprefix(CALL_ID_PREFIX)
 
 
-def stop_reason(finish_reason: str, made_calls: bool) -> str:
+def stop_fields(finish_reason: str, stop_sequence: str | None, made_calls: bool) -> dict:
+    """A message's `stop_reason` and `stop_sequence`."""
     reason = STOP_REASONS.get(finish_reason, END_TURN)
-    return TOOL_USE if made_calls and reason == END_TURN else reason
+    if reason == END_TURN and stop_sequence is not None:
+        return {"stop_reason": STOP_SEQUENCE, "stop_sequence": stop_sequence}
+    return {"stop_reason": TOOL_USE if made_calls and reason == END_TURN else reason, "stop_sequence": None}
 
 
 def usage_object(usage: Usage | None) -> dict:
@@ -60,5 +63,4 @@ def message_object(result: GenerationResult, job_id: str, model: str, request: G
     content += [{"type": "text", "text": text}] if text else []
     content += [tool_use_block(call) for call in calls]
     return {"id": message_id(job_id), "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(result.finish_reason, bool(calls)), "stop_sequence": None,
-            "usage": usage_object(result.usage)}
+            **stop_fields(result.finish_reason, result.stop_sequence, bool(calls)), "usage": usage_object(result.usage)}

@@ -14,7 +14,7 @@ from rqbatcher.answer_reader import AnswerReader
 from rqbatcher.anthropic_messages.anthropic_errors import sse
 from rqbatcher.anthropic_messages.message_object import (
     message_id,
-    stop_reason,
+    stop_fields,
     thinking_block,
     tool_use_id,
     usage_object,
@@ -53,11 +53,11 @@ class MessageEvents:
         reasoning, content, calls = self.reader.feed(delta)
         return self._thinking(reasoning) + self._blocks(content, calls)
 
-    def finish(self, finish_reason: str, usage: Usage | None) -> list[bytes]:
+    def finish(self, finish_reason: str, stop_sequence: str | None, usage: Usage | None) -> list[bytes]:
         """What was held back, the last block's end, message_delta and message_stop."""
         reasoning, content, calls = self.reader.finish()
         events = self._thinking(reasoning) + self._blocks(content, calls) + self._close()
-        delta = {"stop_reason": stop_reason(finish_reason, self.reader.made_calls), "stop_sequence": None}
+        delta = stop_fields(finish_reason, stop_sequence, self.reader.made_calls)
         events.append(sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_object(usage)}))
         return [*events, sse("message_stop", {"type": "message_stop"})]
 

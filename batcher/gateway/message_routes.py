@@ -85,8 +85,9 @@ async def _relay(request: Request, job_id: str, events: MessageEvents, thinking:
                 if event.finish_reason == "cancelled":
                     yield error_event(500, CANCELLED_MESSAGE)
                     return
+                stop_sequence = None if event.result is None else event.result.stop_sequence
                 for chunk in ([] if events.started else events.start(event.usage)) + events.finish(
-                        event.finish_reason, event.usage):
+                        event.finish_reason, stop_sequence, event.usage):
                     yield chunk
             elif event.type == "error":
                 ended = True

@@ -31,6 +31,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason `stop`)
     error: str | None = None
     new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
     logprobs: list[TokenLogprob] | None = None  # of token_ids
@@ -64,6 +65,7 @@ class RequestOutput:
             text=first.text,
             token_ids=first.token_ids,
             finish_reason=first.finish_reason,
+            stop_sequence=first.stop_sequence,
             usage=Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion_tokens,
                         cached_tokens=self.num_cached_tokens),
             timings=timings or Timings(),

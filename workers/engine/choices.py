@@ -133,7 +133,8 @@ class Choices:
                 continue
             del self._groups[group.request_id]
             merged.append(_best_of(group, as_request) if group.best_of else replace(as_request, choices=[
-                Choice(index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason, logprobs=o.logprobs)
+                Choice(index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
+                       stop_sequence=o.stop_sequence, logprobs=o.logprobs)
                 for i, o in sorted(group.ended.items())]))
         return merged
 
@@ -148,8 +149,10 @@ def _best_of(group: _Group, last: RequestOutput) -> RequestOutput:
     firsts = [o.first_token_time for o in candidates if o.first_token_time is not None]
     choices = None if group.n == 1 else [
         Choice(index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
-               logprobs=o.logprobs if keep else None) for i, o in enumerate(ranked)]
+               stop_sequence=o.stop_sequence, logprobs=o.logprobs if keep else None) for i, o in enumerate(ranked)]
+    natural = last.finish_reason in NATURAL_ENDS
     return replace(last, text=best.text, token_ids=best.token_ids, logprobs=best.logprobs if keep else None,
-                   finish_reason=last.finish_reason if last.finish_reason not in NATURAL_ENDS else best.finish_reason,
+                   finish_reason=best.finish_reason if natural else last.finish_reason,
+                   stop_sequence=best.stop_sequence if natural else None,
                    choices=choices, first_token_time=min(firsts, default=None),
                    completion_tokens=sum(len(o.token_ids) for o in candidates))

@@ -33,7 +33,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self.text = ""
         self._released = 0
-        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def _decode(self, ids: list[int]) -> str:
         if self._left_out is None:
@@ -53,12 +57,10 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         search_from = max(0, len(self.text) - self._holdback)
         self.text += new
-        for s in self.stop:
-            at = self.text.find(s, search_from)
-            if at != -1:
-                self.text = self.text[:at]
-                self.stopped = True
-        if self.stopped:
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) != -1]
+        if hits:  # the text ends where the earliest match begins
+            at, self.matched = min(hits)
+            self.text = self.text[:at]
             return self.flush()
         ready = len(self.text) - self._holdback
         if ready <= self._released:

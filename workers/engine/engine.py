@@ -334,6 +334,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             finish_reason=finish_reason,
+            stop_sequence=req.detokenizer.matched if finish_reason else None,
             error=error,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
