@@ -15,9 +15,10 @@ Workloads (every request interactive, the class a gateway's or a client's reques
   after another, each judged; a guidellm sweep of streamed text completions at constant rates, the same for every
   setting: `rates` steps up to the rate guidellm's `throughput` profile reaches under the target off (the
   reference, run first), so that each rate's row compares the settings at the same offered load.
-With --rounds N, each in-process workload runs N rounds of every setting, the settings' order reversed each round
-(A B, B A, ...), and each setting keeps its round of best throughput, as the issue's own figures were taken: on a
-shared machine one round's ratio between two settings that schedule alike is as much noise as policy.
+With --rounds N, each in-process workload, and the gateway's part as a whole, runs N rounds of every setting, the
+settings' order reversed each round (A B, B A, ...), and each row keeps its round of best throughput (the streams
+behind the batch and the flood: of the least wait over idle), as the issue's own figures were taken: on a shared
+machine one round's ratio between two settings that schedule alike is as much noise as policy.
 Settings (benchmarks/scheduling_report.py): the default, the target off, and the target off with two fixed token
 budgets. The verdicts judge the default against issue 43's targets.
 
@@ -132,9 +133,11 @@ def in_process_row(name: str, workload: list, setting: str, model: str, dtype: s
 
 
 def sweep_rates(base: str, s: serving.Settings, directory: Path) -> tuple[float, ...]:
-    """The sweep's rates, the same for every setting: `rates` steps up to the rate guidellm's `throughput` profile
-    reaches (as many streams as twice the slots) under the reference setting, in requests a second: its output
-    tokens a second over a request's, since on a slow CPU few of its requests finish within its seconds."""
+    """`rates` steps up to the rate guidellm's `throughput` profile reaches (as many streams as twice the slots), in
+    requests a second: its output tokens a second over a request's, since on a slow CPU few of its requests finish
+    within its seconds. Every setting runs it before its sweep, so each sweep starts on a worker that has carried
+    the same load (a worker fresh from lighter work ran the lowest rate's steps ~1.4x slower); the reference's
+    rates are every setting's."""
     calibration = replace(s, seconds=max(s.seconds, CALIBRATION_S))
     reached = serving.run_guidellm(base, "throughput", calibration, directory, "batcher-calibration")
     output = reached["benchmarks"][0]["metrics"]["output_tokens_per_second"]["total"]["mean"]
@@ -156,12 +159,12 @@ def sweep_rows(base: str, setting: str, s: serving.Settings, directory: Path) ->
 
 
 def gateway_rows(workloads: list[str], setting: str, model: str, dtype: str, threads: int, sizes: Sizes,
-                 directory: Path, rates: list[float]) -> list[Row]:
+                 here: Path, rates: list[float]) -> list[Row]:
     """The gateway workloads under `setting`: a Redis, a worker and two gateways of their own (one with tenant
-    A's and B's keys, one without for guidellm). The first setting to run the sweep fills `rates` for the rest."""
+    A's and B's keys, one without for guidellm), logs in `here`. The first setting to run the sweep fills `rates`
+    for the rest."""
     from rqbatcher.workers.model.loading import resolve
 
-    here = directory / setting
     here.mkdir()
     processes = []
     rows: list[Row] = []
@@ -190,26 +193,34 @@ def gateway_rows(workloads: list[str], setting: str, model: str, dtype: str, thr
             s = serving.Settings(Path(resolve(model)), dtype, threads, SLOTS, 0, (), sizes.rates, sizes.seconds,
                                  SWEEP_PROMPT_TOKENS, SWEEP_OUTPUT_TOKENS, rates)
             serving.warm(plain_base, s)
-            if not rates:
-                rates.extend(sweep_rates(plain_base, s, here))
+            calibrated = sweep_rates(plain_base, s, here)
+            rates.extend([] if rates else calibrated)
             rows += sweep_rows(plain_base, setting, replace(s, rates=tuple(rates)), here)
         return rows
     finally:
         stop_processes(processes)
 
 
-def best_rounds(name: str, workload: list, settings: list[str], rounds: int, run_one) -> list[Row]:
-    """Each setting's row of best throughput over `rounds` rounds, the settings' order reversed every round.
-    `run_one(setting)` measures one row."""
-    best: dict[str, Row] = {}
+def best_rounds(name: str, settings: list[str], rounds: int, run_one) -> list[Row]:
+    """Each row's best over `rounds` rounds, the settings' order reversed every round. `run_one(setting, round_)`
+    measures a setting's rows (one in process; through the gateway, one per workload and sweep rate)."""
+    best: dict[tuple[str, str, str], Row] = {}  # in the first round's order
     for round_ in range(rounds):
         for setting in settings if round_ % 2 == 0 else settings[::-1]:
             click.echo(f"{name}, {setting}, round {round_ + 1} of {rounds}", err=True)
-            row = run_one(setting)
-            click.echo(json.dumps(row.as_dict()), err=True)  # kept in the log should a later part fail
-            if setting not in best or (row.tok_s or 0) > (best[setting].tok_s or 0):
-                best[setting] = row
-    return [best[setting] for setting in settings]
+            for row in run_one(setting, round_):
+                click.echo(json.dumps(row.as_dict()), err=True)  # kept in the log should a later part fail
+                key = (row.workload, row.setting, row.label)
+                if key not in best or _better(row, best[key]):
+                    best[key] = row
+    return list(best.values())
+
+
+def _better(row: Row, than: Row) -> bool:
+    """Of more throughput; for streams judged by their first tokens alone, of the least wait over idle at worst."""
+    if row.tok_s is not None or than.tok_s is not None:
+        return (row.tok_s or 0) > (than.tok_s or 0)
+    return max(row.ttft_each) - (row.idle_ttft_p50 or 0) < max(than.ttft_each) - (than.idle_ttft_p50 or 0)
 
 
 def run(workloads: list[str], settings: list[str], model: str, dtype: str, threads: int, quick: bool,
@@ -226,16 +237,14 @@ def run(workloads: list[str], settings: list[str], model: str, dtype: str, threa
     try:
         for name in [w for w in IN_PROCESS if w in workloads]:  # each workload's settings back to back: same noise
             workload = in_process_workload(name, sizes, quick)
-            rows += best_rounds(name, workload, settings, rounds,
-                                lambda setting: in_process_row(name, workload, setting, str(resolve(model)), dtype,
-                                                               threads))
+            rows += best_rounds(name, settings, rounds, lambda setting, _: [
+                in_process_row(name, workload, setting, str(resolve(model)), dtype, threads)])
         through_gateway, rates = [w for w in THROUGH_GATEWAY if w in workloads], []
         reference_first = sorted(settings, key=lambda s: s != TARGET_OFF)  # the sweep's rates are its
-        for setting in reference_first if through_gateway else []:
-            click.echo(f"{', '.join(through_gateway)}, {setting}", err=True)
-            measured = gateway_rows(through_gateway, setting, model, dtype, threads, sizes, directory, rates)
-            rows += measured
-            click.echo(json.dumps([r.as_dict() for r in measured]), err=True)
+        if through_gateway:
+            rows += best_rounds(", ".join(through_gateway), reference_first, rounds, lambda setting, round_:
+                                gateway_rows(through_gateway, setting, model, dtype, threads, sizes,
+                                             directory / f"{setting}-{round_ + 1}", rates))
     finally:
         stop_all([], directory, keep_logs)
     return {"machine": serving.machine(), "model": model, "dtype": dtype, "threads": threads, "slots": SLOTS,
@@ -249,7 +258,7 @@ def markdown(out: dict) -> str:
     m = out["machine"]
     head = (f"{m['cpu']}, {m['cpus']} CPUs ({', '.join(m['flags']) or 'no flags of note'}), torch {m['torch']}; "
             f"{out['model']} in {out['dtype']}, {out['threads']} thread(s), {out['slots']} slots"
-            f"{', --quick' if out['quick'] else ''}, in-process rows the best of {out['rounds']} alternated round(s); "
+            f"{', --quick' if out['quick'] else ''}, each row the best of {out['rounds']} alternated round(s); "
             f"{out['minutes']} min")
     return "\n\n".join([head, table([Row(**r) for r in out["rows"]]), verdict_lines(out["verdicts"])])
 
@@ -281,8 +290,8 @@ def _names(choices: tuple[str, ...], option: str):
                    f"connections of {QUICK.tokens} tokens, {QUICK.rates} sweep rates of "
                    f"{QUICK.seconds:g} s.")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
-              help="Rounds of each in-process workload, the settings' order reversed each round; each setting keeps "
-                   "its round of best throughput.")
+              help="Rounds of each in-process workload and of the gateway's part, the settings' order reversed each "
+                   "round; each row keeps its best round.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--keep-logs", is_flag=True, help="Keep the workers', gateways' and guidellm's logs.")
 def main(workloads, settings, model, dtype, threads, quick, rounds, json_path, keep_logs) -> None:

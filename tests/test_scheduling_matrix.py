@@ -114,13 +114,27 @@ def test_rounds_alternate_the_settings_order_and_each_setting_keeps_its_best_rou
     measured = iter([100.0, 90.0, 95.0, 101.0, 99.0, 97.0])  # round 1: A B; round 2: B A; round 3: A B
     order = []
 
-    def run_one(setting: str) -> Row:
-        order.append(setting)
-        return Row(report.DOC_QA, setting, "interactive", tok_s=next(measured))
+    def run_one(setting: str, round_: int) -> list[Row]:
+        order.append((setting, round_))
+        return [Row(report.DOC_QA, setting, "interactive", tok_s=next(measured))]
 
-    rows = matrix.best_rounds(report.DOC_QA, [], [DEFAULT, TARGET_OFF], 3, run_one)
-    assert order == [DEFAULT, TARGET_OFF, TARGET_OFF, DEFAULT, DEFAULT, TARGET_OFF]
+    rows = matrix.best_rounds(report.DOC_QA, [DEFAULT, TARGET_OFF], 3, run_one)
+    assert order == [(DEFAULT, 0), (TARGET_OFF, 0), (TARGET_OFF, 1), (DEFAULT, 1), (DEFAULT, 2), (TARGET_OFF, 2)]
     assert [(r.setting, r.tok_s) for r in rows] == [(DEFAULT, 101.0), (TARGET_OFF, 97.0)]
+
+
+def test_the_gateways_rows_each_keep_their_best_round_streams_by_their_worst_wait_over_idle():
+    def run_one(setting: str, round_: int) -> list[Row]:
+        late = 1.0 if round_ == 0 else 0.0  # round 1 waits a second longer, over an idle 0.5 s higher
+        return [Row(report.FLOOD, setting, "interactive (tenant B)", ttft_each=[0.2, 0.9 + late + round_ * 0.5],
+                    idle_ttft_p50=0.1 + round_ * 0.5),
+                *[Row(report.SWEEP, setting, f"constant@{rate}/s", tok_s=rate * 10 + (round_ == rate), position=rate)
+                  for rate in (0, 1)]]
+
+    rows = matrix.best_rounds("flood, guidellm-sweep", [DEFAULT], 2, run_one)
+    assert [(r.workload, r.label, max(r.ttft_each, default=None), r.tok_s) for r in rows] == [
+        (report.FLOOD, "interactive (tenant B)", 1.4, None),
+        (report.SWEEP, "constant@0/s", None, 1.0), (report.SWEEP, "constant@1/s", None, 11.0)]
 
 
 def test_unknown_workloads_and_settings_are_refused_with_the_choices():
