@@ -1,7 +1,7 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), driven by the real `anthropic` SDK against the
 gateway in-process (Starlette's TestClient as the SDK's HTTP client) on fakeredis, with a worker thread running a
-fake engine: text, system prompts, turns, streams, tool_use blocks and tool results, counts, and the errors in
-Anthropic's shape."""
+fake engine: text, system prompts, turns, streams, tool_use blocks and tool results, stop sequences, counts, and the
+errors in Anthropic's shape; and the stop string as vLLM's `stop_reason` on the chat endpoint (the `openai` SDK)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 
 import anthropic
+import openai
 import pytest
 from fakeredis import aioredis
 from starlette.testclient import TestClient
@@ -245,6 +246,17 @@ def test_a_stop_sequence_ends_the_turn_naming_itself_whole_or_streamed(client, s
         "Sunny. ", "stop_sequence", "Then")
     unmatched = client.messages.create(**{**asked, "stop_sequences": ["hail"]})
     assert (unmatched.stop_reason, unmatched.stop_sequence) == ("end_turn", None)
+
+
+def test_the_chat_endpoint_names_the_stop_string_as_vllms_stop_reason(gateway, scripted_worker):  # noqa: F811
+    sdk = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=KEY, http_client=gateway, max_retries=0)
+    asked = {"model": MODEL, "max_tokens": 50, "messages": ask(SAY + "Sunny. Then rain."), "stop": ["rain", "Then"]}
+    whole = sdk.chat.completions.create(**asked).choices[0]
+    assert (whole.message.content, whole.finish_reason, whole.stop_reason) == ("Sunny. ", "stop", "Then")
+    last = [chunk for chunk in sdk.chat.completions.create(**asked, stream=True) if chunk.choices][-1].choices[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", "Then")
+    plain = sdk.chat.completions.create(**{**asked, "stop": None}).choices[0]
+    assert (plain.message.content, plain.stop_reason) == ("Sunny. Then rain.", None)
 
 
 def test_count_tokens_counts_the_prompt_as_the_worker_renders_it(client, worker):

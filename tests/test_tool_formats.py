@@ -262,7 +262,7 @@ def test_a_stream_reads_calls_in_the_format_its_start_event_names():
     chunks = Chunks(CHAT_URL, "job-7", 0, "m", UsageOptions(), "default", request)
     chunks.read_as(StreamEvent(type="start", chat_format=ChatFormat(tools="mistral")).chat_format)
     _, text, expected = HANDWRITTEN["mistral-several"]
-    sent = [chunks.text(text[i:i + 7]) for i in range(0, len(text), 7)] + chunks.finish(["stop"])
+    sent = [chunks.text(text[i:i + 7]) for i in range(0, len(text), 7)] + chunks.finish([("stop", None)])
     deltas = [json.loads(chunk[len(b"data: "):]) for chunk in sent if chunk is not None]
     pieces = [call for d in deltas for c in d["choices"] for call in c["delta"].get("tool_calls", [])]
     assert [p["function"]["name"] for p in pieces if "id" in p] == [n for n, _ in expected]

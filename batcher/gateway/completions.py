@@ -199,11 +199,11 @@ class Chunks:
         return self._event([self._choice(content or None, None, logprobs=logprobs, index=index, calls=calls,
                                          reasoning=reasoning)])
 
-    def finish(self, reasons: list[str]) -> list[bytes]:
+    def finish(self, ends: list[tuple[str, str | None]]) -> list[bytes]:
         """What a chat answer held back, then the last chunk of each choice with its finish reason (`tool_calls`
-        for an answer that made calls)."""
+        for an answer that made calls) and vLLM's stop_reason: `ends`, each choice's reason and stop string."""
         events, shaped = [], []
-        for i, reason in enumerate(reasons):
+        for i, (reason, stop_sequence) in enumerate(ends):
             reason = openai_finish_reason(reason)
             if self.readers is not None:
                 reasoning, content, calls = self.readers[i].finish()
@@ -212,7 +212,7 @@ class Chunks:
                                                             reasoning=reasoning)]))
                 if self.readers[i].made_calls and reason == "stop":
                     reason = TOOL_CALLS_FINISH
-            shaped.append(self._choice(None, reason, index=i))
+            shaped.append({**self._choice(None, reason, index=i), "stop_reason": stop_sequence})
         return [*events, self._event(shaped)]
 
     def usage(self, usage: Usage | None) -> bytes:
@@ -264,7 +264,7 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
                         result = event.result or await app.state.jobs.stored_result(job_id)
                         for chunk in chunks.release(result.prompt_logprobs):
                             yield chunk
-                    for chunk in chunks.finish(await _finish_reasons(app.state.jobs, job_id, event, chunks.n)):
+                    for chunk in chunks.finish(await _ends(app.state.jobs, job_id, event, chunks.n)):
                         yield chunk
                     if chunks.usage_options.final:
                         yield chunks.usage(event.usage)
@@ -281,13 +281,13 @@ async def _relay(request: Request, job_id: str, chunks: Chunks) -> AsyncIterator
             await app.state.jobs.cancel(job_id)
 
 
-async def _finish_reasons(jobs: JobService, job_id: str, done: StreamEvent, n: int) -> list[str]:
-    """Each choice's finish reason: the end event's, or with n > 1 its result's (the stored one only when the
-    event does not carry it)."""
+async def _ends(jobs: JobService, job_id: str, done: StreamEvent, n: int) -> list[tuple[str, str | None]]:
+    """Each choice's finish reason and the stop string that ended it: the end event's, or with n > 1 its result's
+    (the stored one only when the event does not carry it)."""
     if n == 1:
-        return [done.finish_reason]
+        return [(done.finish_reason, None if done.result is None else done.result.stop_sequence)]
     result = done.result or await jobs.stored_result(job_id)
-    return [c.finish_reason for c in result.choices]
+    return [(c.finish_reason, c.stop_sequence) for c in result.choices]
 
 
 class EventStreamResponse(StreamingResponse):

@@ -40,10 +40,12 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
     output line and the answer of the gateway's HTTP endpoints. `service_tier` is the tier it ran in; `request`
     (what the job carried) says whether the answer is read for tool calls, and whether it echoes the prompt.
 
-    `token_ids` is our addition to a completion choice; OpenAI clients ignore unknown fields."""
+    `token_ids` is our addition to a completion choice, and vLLM's `stop_reason` (the stop string that ended it, or
+    None) to every choice; OpenAI clients ignore unknown fields."""
     usage = usage_body(result.usage)
     choices = result.choices or [Choice(index=0, text=result.text, token_ids=result.token_ids,
-                                        finish_reason=result.finish_reason, logprobs=result.logprobs)]
+                                        finish_reason=result.finish_reason, stop_sequence=result.stop_sequence,
+                                        logprobs=result.logprobs)]
     if endpoint == CHAT_URL:
         shaped = [_chat_choice(c, request_id or "", request, result.chat_format) for c in choices]
         body = {"id": f"{CHAT_ID_PREFIX}{request_id}", "object": "chat.completion"}
@@ -51,7 +53,7 @@ def response_body(result: GenerationResult, endpoint: str = COMPLETIONS_URL, req
         echoed = request.prompt if request is not None and request.echo else ""
         shaped = [{"index": c.index, "text": echoed + c.text, "token_ids": c.token_ids,
                    "logprobs": _completion_logprobs(c, result, echoed), "finish_reason":
-                   openai_finish_reason(c.finish_reason)} for c in choices]
+                   openai_finish_reason(c.finish_reason), "stop_reason": c.stop_sequence} for c in choices]
         vllm_field = request is not None and request.prompt_logprobs is not None and not echoed_with_logprobs(request)
         for choice in shaped if vllm_field else ():  # an echo with logprobs has them in the legacy object
             choice["prompt_logprobs"] = prompt_logprobs_of_result(result, request)
@@ -77,7 +79,7 @@ def _chat_choice(choice: Choice, request_id: str, request: GenerationRequest | N
         message["tool_calls"] = [call.to_dict() for call in calls]
         finish_reason = TOOL_CALLS_FINISH if finish_reason == "stop" else finish_reason
     return {"index": choice.index, "message": message, "logprobs": chat_logprobs(choice.logprobs),
-            "finish_reason": finish_reason}
+            "finish_reason": finish_reason, "stop_reason": choice.stop_sequence}
 
 
 def echoed_with_logprobs(request: GenerationRequest) -> bool:
