@@ -51,6 +51,7 @@ from benchmarks.scheduling_report import (
     FLOOD,
     IN_PROCESS,
     INTERACTIVE,
+    JUDGED,
     SETTINGS,
     SWEEP,
     TARGET_OFF,
@@ -205,15 +206,17 @@ def best_rounds(name: str, settings: list[str], rounds: int, run_one) -> list[Ro
     """Each row's best over `rounds` rounds, the settings' order reversed every round. `run_one(setting, round_)`
     measures a setting's rows (one in process; through the gateway, one per workload and sweep rate)."""
     best: dict[tuple[str, str, str], Row] = {}  # in the first round's order
+    measured: dict[tuple[str, str, str], list[dict]] = {}
     for round_ in range(rounds):
         for setting in settings if round_ % 2 == 0 else settings[::-1]:
             click.echo(f"{name}, {setting}, round {round_ + 1} of {rounds}", err=True)
             for row in run_one(setting, round_):
                 click.echo(json.dumps(row.as_dict()), err=True)  # kept in the log should a later part fail
                 key = (row.workload, row.setting, row.label)
+                measured.setdefault(key, []).append({figure: getattr(row, figure) for figure in JUDGED})
                 if key not in best or _better(row, best[key]):
                     best[key] = row
-    return list(best.values())
+    return [replace(row, rounds=measured[key]) if rounds > 1 else row for key, row in best.items()]
 
 
 def _better(row: Row, than: Row) -> bool:

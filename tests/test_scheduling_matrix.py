@@ -28,6 +28,22 @@ def test_throughput_at_the_default_is_judged_against_the_target_off_at_098():
     assert list(judged(throughput_rows(97.9, 100.0)).values()) == [False]
 
 
+def test_a_miss_smaller_than_the_spread_of_one_settings_rounds_is_marked_as_noise():
+    def rows(default_rounds: list[float], off_rounds: list[float]) -> list[Row]:
+        return [Row(report.SKEW_SMALL, setting, "interactive", tok_s=max(measured),
+                    rounds=[{"tok_s": t, "ttft_p50": None, "itl_p99": None} for t in measured])
+                for setting, measured in ((DEFAULT, default_rounds), (TARGET_OFF, off_rounds))]
+
+    noisy = report.verdicts(rows([90.0, 100.0], [104.0, 110.0]))  # misses 0.98 x 110 by 7.8; rounds 10 apart
+    assert [(v["met"], v["within_noise"]) for v in noisy] == [(False, True)]
+    assert report.verdict_lines(noisy).startswith("- MISSED by less than the noise: skew-small")
+    clear = report.verdicts(rows([99.0, 100.0], [109.0, 110.0]))  # the same miss, rounds 1 apart
+    assert [(v["met"], v["within_noise"]) for v in clear] == [(False, False)]
+    assert report.verdict_lines(clear).startswith("- MISSED: skew-small")
+    one_round = report.verdicts(throughput_rows(90.0, 110.0))
+    assert [(v["met"], v["within_noise"]) for v in one_round] == [(False, False)]
+
+
 def test_doc_qa_needs_99_percent_of_its_prefix_hits_and_no_worse_ttft_than_the_target_off():
     rows = [Row(report.DOC_QA, DEFAULT, "interactive", tok_s=100, ttft_p50=40.0, prefix_hits=0.995),
             Row(report.DOC_QA, TARGET_OFF, "interactive", tok_s=100, ttft_p50=46.0, prefix_hits=1.0)]
@@ -121,6 +137,7 @@ def test_rounds_alternate_the_settings_order_and_each_setting_keeps_its_best_rou
     rows = matrix.best_rounds(report.DOC_QA, [DEFAULT, TARGET_OFF], 3, run_one)
     assert order == [(DEFAULT, 0), (TARGET_OFF, 0), (TARGET_OFF, 1), (DEFAULT, 1), (DEFAULT, 2), (TARGET_OFF, 2)]
     assert [(r.setting, r.tok_s) for r in rows] == [(DEFAULT, 101.0), (TARGET_OFF, 97.0)]
+    assert [[r["tok_s"] for r in row.rounds] for row in rows] == [[100.0, 101.0, 99.0], [90.0, 95.0, 97.0]]
 
 
 def test_the_gateways_rows_each_keep_their_best_round_streams_by_their_worst_wait_over_idle():
