@@ -56,8 +56,7 @@ INT8_BLOCK = 32  # int8_linear quantizes x per block of this many values along K
 # at::parallel_for splits work across torch's threads only in a build compiled with OpenMP (without it, ATen's
 # header runs the whole range on the calling thread: every kernel was single-threaded whatever --threads said); the
 # link then names libgomp.so.1, which resolves to the copy torch has loaded, so torch.set_num_threads governs the
-# build's threads too. The fp32 build (AVX2 CPUs without AVX-512) is not compiled with it yet: its kernels' threads
-# have not been tested on such a CPU.
+# build's threads too.
 OPENMP = "-fopenmp"
 
 
@@ -90,7 +89,7 @@ FP32 = Build("fp32", "batcher_fp32_kernels",
              ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"), ("avx512f",),
              # no FMA contraction: the layer ops round each product as torch's ops do (the kernels' FMAs are
              # written out)
-             ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
+             ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 # Linears on int8 weights (AVX2 integer dots, AVX-512 VNNI ones chosen at run time), on every AVX2 CPU: no exclusion.
 INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("avx2.h", "int8_tiles.h"), ("avx2", "fma"), (),

@@ -140,6 +140,25 @@ def test_paged_decode_matches_float64(head_dim, heads, kv_heads, block_size):
 
 
 @served_here
+def test_the_threads_do_not_change_the_bits():
+    """The build runs at::parallel_for on torch's threads (kernels/build.py::OPENMP): its splits must not move a bit."""
+    threads = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(5)
+    x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((MAX_ROWS, 576), (1536, 576), (1536,)))
+    k_cache, v_cache, tables = scattered_cache([1, 40, 300, 77], 16, 3, 64)
+    query, lens = torch.randn(4, 9, 64, generator=generator), torch.tensor([1, 40, 300, 77])
+    both = lambda: (native.fp32_linear(x, weight, bias),  # noqa: E731
+                    native.paged_decode(query, k_cache, v_cache, tables, lens, 16, 0.125))
+    try:
+        torch.set_num_threads(1)
+        one = both()
+        torch.set_num_threads(2)
+        assert all(torch.equal(a, b) for a, b in zip(both(), one, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@served_here
 def test_paged_decode_reads_a_query_laid_out_as_the_model_gives_it():
     k_cache, v_cache, tables = scattered_cache([40, 7], 16, 2, 64)
     query = torch.randn(1, 6, 2, 64)[0].transpose(0, 1)  # [2, 6, 64], not contiguous
