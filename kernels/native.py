@@ -253,13 +253,36 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return load(FP32).fp32_linear(x, weight, bias)
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+INT8_TILE = 16  # outputs per tile of int8_pack's layout (two 256-bit vectors of 4 bytes of K for each)
+
+
+def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """`qweight` int8 `[N, K]` laid out as `int8_linear` reads it, front to back (kernels/csrc/int8_linear.cpp):
+    uint8 `[ceil(N / 16), 16 * K']` with K' = K rounded up to whole INT8_BLOCKs, zeros past N and K; in each tile of
+    16 outputs, K in steps of 4 bytes, each step holding those 4 bytes of every output side by side, each byte
+    q + 128."""
+    rows, columns = qweight.shape
+    padded = torch.nn.functional.pad(qweight, (0, -columns % INT8_BLOCK, 0, -rows % INT8_TILE))
+    tiles, width = padded.shape[0] // INT8_TILE, padded.shape[1]
+    steps = padded.view(tiles, INT8_TILE, width // 4, 4).transpose(1, 2).contiguous()
+    return torch.bitwise_xor(steps.view(torch.uint8), 0x80).view(tiles, INT8_TILE * width)
+
+
+def int8_unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The int8 `[out_features, in_features]` matrix that `int8_pack` packed."""
+    tiles, width = packed.shape[0], packed.shape[1] // INT8_TILE
+    steps = torch.bitwise_xor(packed, 0x80).view(torch.int8).view(tiles, width // 4, INT8_TILE, 4)
+    return steps.transpose(1, 2).reshape(tiles * INT8_TILE, width)[:out_features, :in_features]
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor,
                 bias: torch.Tensor | None, isa: str = "") -> torch.Tensor:
-    """`x @ W.T + bias` for fp32 or bf16 `x [..., K]` (any number of rows; the result in x's dtype) on `qweight`
-    int8 `[N, K]` (contiguous) and its per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK values
-    (kernels/csrc/int8_linear.cpp); where `load(INT8)` is not None. `isa`: the variant (`avx2`, `avx512-vnni`), by
-    default this CPU's best (`load(INT8).isa`); every variant gives the same bits."""
-    return load(INT8).int8_linear(x, qweight, wscale, bias, isa)
+    """`x @ W.T + bias` for fp32 or bf16 `x [..., K]` (any number of rows; the result in x's dtype) on W's int8
+    values `packed` by `int8_pack` and its per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK
+    values (kernels/csrc/int8_linear.cpp); the torch reference's bits; where `load(INT8)` is not None. `isa`: the
+    variant (`avx2`, `avx512-vnni`), by default this CPU's best (`load(INT8).isa`); every variant gives the same
+    bits."""
+    return load(INT8).int8_linear(x, packed, wscale, bias, isa)
 
 
 def main() -> int:

@@ -90,7 +90,7 @@ for build in native.BUILDS:
     if build is native.INT8:  # its one kernel, on an int8 weight of scale 1 (only x's quantization errs)
         qweight = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
         want = x @ qweight.float().T
-        got = module.int8_linear(x, qweight, torch.ones(32), None)
+        got = module.int8_linear(x, native.int8_pack(qweight), torch.ones(32), None)
         assert torch.allclose(got, want, atol=0.02 * want.abs().max().item()), (got - want).abs().max()
         found[build.label] = str(path)
         continue

@@ -1,7 +1,8 @@
-"""The int8 CPU kernel (`native.int8_linear`, kernels/csrc/int8_linear.cpp) against a torch reference of its
-arithmetic: int8 weights with a scale per output channel, x quantized per row in blocks of 32 along K, exact integer
-dots per block. Only the order of the float sums may differ, so the tolerance is far below one quantization step.
-Each row's bits must not depend on the rows beside it, nor on the threads.
+"""The int8 CPU kernel (`native.int8_linear`, kernels/csrc/int8_linear.cpp, on weights packed by
+`native.int8_pack`) against a float64 reference of its arithmetic (int8 weights with a scale per output channel, x
+quantized per row in blocks of 32 along K, exact integer dots per block), within far less than one quantization
+step, and against the model's torch reference (workers/model/int8_linear.py), whose bits it gives. Each row's bits
+must not depend on the rows beside it, nor on the threads.
 
 It runs on every CPU with AVX2 and FMA (elsewhere these tests skip); a CPU that has them but fails to build it fails
 here. Where the CPU has AVX-512 VNNI, its variant runs by default and must give the AVX2 variant's bits.
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rqbatcher.kernels import native
+from rqbatcher.workers.model.int8_linear import int8_linear_reference
 
 BLOCK = native.INT8_BLOCK
 pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.INT8.cpu_flags),
@@ -52,8 +54,13 @@ def operands(rows, K, N, seed, bias=True):
     return x, qweight, wscale, torch.randn(N, generator=generator) if bias else None
 
 
+def kernel(x, qweight, wscale, bias, isa=""):
+    """The kernel on `qweight` int8 [N, K], packed as a layer keeps it."""
+    return native.int8_linear(x, native.int8_pack(qweight), wscale, bias, isa)
+
+
 def check(x, qweight, wscale, bias, isa=""):
-    got = native.int8_linear(x, qweight, wscale, bias, isa)
+    got = kernel(x, qweight, wscale, bias, isa)
     want, scale = reference(x, qweight, wscale, bias)
     assert got.dtype == torch.float32 and got.shape == want.shape
     error = (got.double() - want).abs()
@@ -77,22 +84,44 @@ def test_int8_linear_matches_the_reference(rows, K, N, with_bias, isa):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+def test_it_gives_the_torch_references_bits(isa):
+    """The same operations in the same order as the model's reference: the bits, not only the values, agree."""
+    for rows, K, N in ((1, 576, 37), (4, 64, 16), (5, 33, 9), (70, 300, 101), (130, 1536, 24)):
+        x, qweight, wscale, bias = operands(rows, K, N, seed=rows + 2 * K + N)
+        for b in (bias, None):
+            assert torch.equal(kernel(x, qweight, wscale, b, isa), int8_linear_reference(x, qweight, wscale, b))
+
+
+@pytest.mark.parametrize("N, K", [(1, 1), (16, 32), (13, 70), (37, 576), (16, 33)])
+def test_packing_lays_16_outputs_side_by_side_and_unpacks_to_the_same_matrix(N, K):
+    qweight = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=torch.Generator().manual_seed(N + K))
+    packed = native.int8_pack(qweight)
+    blocks = -(-K // BLOCK)
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-N // 16), 16 * BLOCK * blocks)
+    assert torch.equal(native.int8_unpack(packed, N, K), qweight)
+    n, k = N - 1, K - 1  # the last output's last value: tile n // 16, step k // 4, place n % 16 in it, byte k % 4
+    assert packed[n // 16, (k // 4) * 64 + (n % 16) * 4 + k % 4].item() == qweight[n, k].item() + 128
+    whole = native.int8_unpack(packed, 16 * packed.shape[0], BLOCK * blocks)
+    assert not whole[N:].any() and not whole[:, K:].any()  # zeros past N and past K
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_bf16_x_gives_the_float_results_rounded_to_bf16(isa):
     """A bf16 model's linears call the kernel with no cast: bf16 in, the fp32 result rounded as torch rounds out."""
     for rows, K, N in ((1, 576, 37), (5, 33, 9), (70, 300, 101)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K)
         xb = x.bfloat16()
-        got = native.int8_linear(xb, qweight, wscale, bias, isa)
+        got = kernel(xb, qweight, wscale, bias, isa)
         assert got.dtype == torch.bfloat16
-        assert torch.equal(got, native.int8_linear(xb.float(), qweight, wscale, bias, isa).bfloat16()), (rows, K, N)
+        assert torch.equal(got, kernel(xb.float(), qweight, wscale, bias, isa).bfloat16()), (rows, K, N)
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
 def test_the_vnni_variant_gives_the_avx2_variants_bits():
     for rows, K, N in ((1, 576, 37), (3, 100, 9), (7, 64, 12), (70, 300, 101), (130, 33, 5)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K + N)
-        assert torch.equal(native.int8_linear(x, qweight, wscale, bias, "avx512-vnni"),
-                           native.int8_linear(x, qweight, wscale, bias, "avx2")), (rows, K, N)
+        assert torch.equal(kernel(x, qweight, wscale, bias, "avx512-vnni"),
+                           kernel(x, qweight, wscale, bias, "avx2")), (rows, K, N)
 
 
 def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
@@ -101,7 +130,7 @@ def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
     x[4, 32:64] = 0  # a zero block inside a row
     x[5, 192:] = 0  # a zero last (shorter) block
     qweight[[0, 7]], wscale[[0, 7]] = 0, 0  # zero rows of W, as quantize_weight makes them
-    y = native.int8_linear(x, qweight, wscale, bias)
+    y = kernel(x, qweight, wscale, bias)
     assert torch.isfinite(y).all()
     assert torch.equal(y[2], bias) and torch.equal(y[:, 0], bias[0].expand(6))
     check(x, qweight, wscale, bias)
@@ -110,7 +139,7 @@ def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
 def test_a_nan_or_inf_in_a_row_of_x_makes_that_row_nan_and_no_other():
     x, qweight, wscale, bias = operands(4, 100, 9, seed=4)
     x[1, 40], x[3, 99] = float("nan"), float("inf")  # in a whole block, in the last (shorter) one
-    y = native.int8_linear(x, qweight, wscale, bias)
+    y = kernel(x, qweight, wscale, bias)
     assert y[[1, 3]].isnan().all() and torch.isfinite(y[[0, 2]]).all()
     check(x[[0, 2]], qweight, wscale, bias)
 
@@ -118,7 +147,7 @@ def test_a_nan_or_inf_in_a_row_of_x_makes_that_row_nan_and_no_other():
 def test_it_approximates_the_float_linear_it_quantizes():
     generator = torch.Generator().manual_seed(5)
     x, weight, bias = torch.randn(4, 576, generator=generator), torch.randn(96, 576, generator=generator), None
-    y = native.int8_linear(x, *quantize_weight(weight), bias)
+    y = kernel(x, *quantize_weight(weight), bias)
     want = x @ weight.T
     assert ((y - want).norm() / want.norm()).item() < 0.01
 
@@ -127,19 +156,19 @@ def test_leading_dimensions_a_strided_x_and_no_rows():
     x, qweight, wscale, bias = operands(6, 96, 10, seed=7)
     strided = torch.stack([x, x], -1)[..., 0].view(2, 3, 96)  # [2, 3, 96], not contiguous
     assert not strided.is_contiguous()
-    y = native.int8_linear(strided, qweight, wscale, bias)
-    assert y.shape == (2, 3, 10) and torch.equal(y.view(6, 10), native.int8_linear(x, qweight, wscale, bias))
-    assert native.int8_linear(torch.zeros(0, 96), qweight, wscale, bias).shape == (0, 10)
+    y = kernel(strided, qweight, wscale, bias)
+    assert y.shape == (2, 3, 10) and torch.equal(y.view(6, 10), kernel(x, qweight, wscale, bias))
+    assert kernel(torch.zeros(0, 96), qweight, wscale, bias).shape == (0, 10)
 
 
 def test_a_rows_bits_do_not_depend_on_its_batch():
     x, qweight, wscale, bias = operands(130, 200, 37, seed=11)
-    alone = torch.cat([native.int8_linear(x[r:r + 1], qweight, wscale, bias) for r in range(len(x))])
+    alone = torch.cat([kernel(x[r:r + 1], qweight, wscale, bias) for r in range(len(x))])
     generator = torch.Generator().manual_seed(0)
     for size in (*range(1, 17), 31, 32, 33, 63, 64, 65, 100, 130):  # tiles of 4, 2, 1, chunks of 64 rows
         for _ in range(2):
             picked = torch.randperm(len(x), generator=generator)[:size]
-            assert torch.equal(native.int8_linear(x[picked], qweight, wscale, bias), alone[picked]), size
+            assert torch.equal(kernel(x[picked], qweight, wscale, bias), alone[picked]), size
 
 
 def test_the_threads_do_not_change_the_bits():
@@ -147,32 +176,32 @@ def test_the_threads_do_not_change_the_bits():
     x, qweight, wscale, bias = operands(70, 300, 1001, seed=13)
     try:
         torch.set_num_threads(1)
-        one = native.int8_linear(x, qweight, wscale, bias)
+        one = kernel(x, qweight, wscale, bias)
         torch.set_num_threads(2)
-        assert torch.equal(native.int8_linear(x, qweight, wscale, bias), one)
-        assert torch.equal(native.int8_linear(x[:3], qweight, wscale, bias), one[:3])
+        assert torch.equal(kernel(x, qweight, wscale, bias), one)
+        assert torch.equal(kernel(x[:3], qweight, wscale, bias), one[:3])
     finally:
         torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda q, s: native.int8_linear(torch.randn(2, 8).double(), q, s, None), "x must be an fp32 or bf16 CPU tensor"),
-    (lambda q, s: native.int8_linear(torch.randn(2, 8), q.float(), s, None), "qweight must be an int8 CPU tensor"),
-    (lambda q, s: native.int8_linear(torch.randn(2, 4), q.t(), s, None), "contiguous"),
-    (lambda q, s: native.int8_linear(torch.randn(2, 9), q, s, None), "9 features"),
-    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s[:3], None), "wscale must be 4"),
-    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s.half(), None), "wscale must be an fp32"),
-    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s, torch.randn(3)), "bias has 3 values"),
-    (lambda q, s: native.int8_linear(torch.randn(2, 8), q, s, None, "avx10"), "no int8 variant 'avx10'"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 8).double(), p, s, None), "x must be an fp32 or bf16 CPU tensor"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 8), p.view(torch.int8), s, None), "must be packed"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 8), p.repeat(1, 2)[:, ::2], s, None), "must be packed"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 40), p, s, None), r"40 features need \[1, 1024\]"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 8), p, torch.ones(17), None), r"17 scales and 8 features need"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 8), p, s.half(), None), "wscale must be an fp32"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 8), p, s, torch.randn(3)), "bias has 3 values"),
+    (lambda p, s: native.int8_linear(torch.randn(2, 8), p, s, None, "avx10"), "no int8 variant 'avx10'"),
 ])
 def test_it_refuses_what_it_cannot_compute(call, message):
     qweight, wscale = quantize_weight(torch.randn(4, 8))
     with pytest.raises(RuntimeError, match=message):
-        call(qweight, wscale)
+        call(native.int8_pack(qweight), wscale)
 
 
 @pytest.mark.skipif(HAS_VNNI, reason="this CPU has AVX-512 VNNI")
 def test_the_vnni_variant_is_refused_where_the_cpu_lacks_it():
     qweight, wscale = quantize_weight(torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="this CPU has no AVX-512 VNNI"):
-        native.int8_linear(torch.randn(2, 8), qweight, wscale, None, "avx512-vnni")
+        kernel(torch.randn(2, 8), qweight, wscale, None, "avx512-vnni")

@@ -2,7 +2,7 @@
 quantized model's logits against the float model's, an engine serving on them (batch invariant), and the option.
 
 The torch reference runs everywhere; where `rqbatcher.kernels.native`'s int8 kernel loads, its output is checked
-against the reference (skipped elsewhere)."""
+against the reference, whose bits it gives (skipped elsewhere)."""
 
 import copy
 
@@ -15,6 +15,7 @@ from transformers.pytorch_utils import Conv1D
 
 from rqbatcher.cli.options import engine_options
 from rqbatcher.config import QUANTIZATIONS, EngineConfig
+from rqbatcher.kernels import native
 from rqbatcher.workers.model.fused_decoder import why_not
 from rqbatcher.workers.model.int8_linear import (
     QUANT_BLOCK,
@@ -103,23 +104,28 @@ def test_a_row_and_a_column_of_the_reference_do_not_depend_on_the_others():
     assert int8_linear_reference(x[:0], qweight, wscale, bias).shape == (0, weight.shape[0])
 
 
-def test_the_native_kernel_gives_the_reference():
-    if not native_int8(torch.device("cpu")):
-        pytest.skip("kernels.native's int8 kernel does not load here (not built, or this CPU lacks its instructions)")
-    from rqbatcher.kernels import native
+def int8_weight(module: Int8Linear) -> torch.Tensor:
+    """A layer's int8 [out, in] matrix, whatever the layout it keeps it in."""
+    if not module.on_native:
+        return module.qweight
+    return native.int8_unpack(module.qweight, module.out_features, module.in_features)
 
+
+NATIVE = native_int8(torch.device("cpu"))
+on_native_here = pytest.mark.skipif(not NATIVE, reason="kernels.native's int8 kernel does not load here (not built, "
+                                                       "or this CPU lacks its instructions)")
+
+
+@on_native_here
+def test_the_native_kernel_gives_the_references_bits_on_the_weight_kept_packed():
     weight, x, bias = weights_and_input(out_features=200, features=576, rows=40)
     qweight, wscale = quantize_weight(weight)
-    for rows in (1, 4, 40):
-        reference = int8_linear_reference(x[:rows], qweight, wscale, bias)
-        for b in (bias, None):
-            expected = reference if b is not None else reference - bias
-            got = native.int8_linear(x[:rows].contiguous(), qweight, wscale, b)
-            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
     module = Int8Linear(qweight, wscale, bias)
-    reference = int8_linear_reference(x, qweight, wscale, bias)
-    assert module.on_native and torch.allclose(module(x), reference, rtol=1e-5,
-                                               atol=1e-4 * reference.abs().max().item())
+    assert module.on_native and module.qweight.dtype == torch.uint8  # the kernel's layout only
+    assert torch.equal(int8_weight(module), qweight)
+    for rows in (1, 4, 40):
+        assert torch.equal(module(x[:rows]), int8_linear_reference(x[:rows], qweight, wscale, bias))
+    assert module(x[:0]).shape == (0, 200)  # no rows: the reference, on the weight unpacked
 
 
 def test_a_module_keeps_its_input_dtype_and_shape():
@@ -137,23 +143,28 @@ def load(model_dir) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_every_linear_of_the_layers_and_the_lm_head_is_replaced_and_the_embedding_stays(tiny_model_dir, family):
+@pytest.mark.parametrize("on_native", [False, pytest.param(True, marks=on_native_here)])
+def test_every_linear_of_the_layers_and_the_lm_head_is_replaced_and_the_embedding_stays(tiny_model_dir, family,
+                                                                                         on_native):
     model = load(tiny_model_dir(family))
     embedding = model.model.embed_tokens.weight.clone()
     layers = model.config.num_hidden_layers
-    assert quantize_linears(model, on_native=False) == layers * LINEARS_PER_LAYER + 1
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    expected = {name: quantize_weight(m.weight)[0] for name, m in linears.items()}
+    assert quantize_linears(model, on_native=on_native) == layers * LINEARS_PER_LAYER + 1
     assert not [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         modules = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj]
-        assert all(isinstance(m, Int8Linear) and m.qweight.dtype == torch.int8 for m in modules)
+        assert all(isinstance(m, Int8Linear) and m.on_native == on_native for m in modules)
         assert (attention.q_proj.bias is not None) == (family == "qwen2")  # Qwen2's q/k/v biases are kept
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.out_features == model.config.vocab_size
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
     assert torch.equal(model.model.embed_tokens.weight, embedding)
-    storages = {m.qweight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, Int8Linear)}
-    assert len(storages) == 1  # laid end to end
+    int8 = {name: m for name, m in model.named_modules() if isinstance(m, Int8Linear)}
+    assert int8.keys() == expected.keys() and all(torch.equal(int8_weight(m), expected[n]) for n, m in int8.items())
+    assert len({m.qweight.untyped_storage().data_ptr() for m in int8.values()}) == 1  # laid end to end
     assert quantize_linears(model) == 0  # quantized already
 
 
@@ -193,14 +204,35 @@ def test_the_quantized_models_logits_stay_close_to_the_float_models(tiny_model_d
     assert agree > 0.9
 
 
-def test_joint_calls_give_each_modules_bits(tiny_model_dir):
+@pytest.mark.parametrize("on_native", [False, pytest.param(True, marks=on_native_here)])
+def test_joint_calls_give_each_modules_bits(tiny_model_dir, on_native):
     model = load(tiny_model_dir("qwen2"))
-    quantize_linears(model, on_native=False)
+    quantize_linears(model, on_native=on_native)
     attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     x = randn(5, model.config.hidden_size, seed=4)
     for modules in ([attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]):
         joint = joint_linear(modules)
         assert isinstance(joint, Int8JointLinear) and joint.qweight is not None
+        for got, module in zip(joint(x), modules, strict=True):
+            assert torch.equal(got, module(x))
+
+
+@on_native_here
+def test_packed_parts_run_as_one_call_only_where_each_ends_on_a_whole_tile():
+    def laid_end_to_end(sizes: tuple[int, ...]) -> list[Int8Linear]:
+        modules = [Int8Linear(*quantize_weight(randn(n, 40, seed=n)), randn(n, seed=n + 1), on_native=True)
+                   for n in sizes]
+        buffer, offset = torch.empty(sum(m.qweight.numel() for m in modules), dtype=torch.uint8), 0
+        for m in modules:
+            m.qweight = buffer[offset : offset + m.qweight.numel()].view_as(m.qweight).copy_(m.qweight)
+            offset += m.qweight.numel()
+        return modules
+
+    x = randn(3, 40, seed=9)
+    for sizes, as_one in (((16, 32, 5), True), ((5, 16), False), ((8, 16), False)):  # a part ending inside a tile
+        modules = laid_end_to_end(sizes)
+        joint = Int8JointLinear(modules)
+        assert (joint.qweight is not None) == as_one
         for got, module in zip(joint(x), modules, strict=True):
             assert torch.equal(got, module(x))
 

@@ -1,89 +1,70 @@
-// The int8 kernel's pass over W, included once per instruction set (kernels/csrc/int8_linear.cpp): each
-// inclusion sits in a namespace of its own that first defines `dot4(ax, sw)`, the 8 int32 lanes of one block's
-// exact dot (lane i: bytes 4i..4i+3 of |qx| times the weights carrying x's signs). Every variant computes the same
-// integers in the same lanes, so they give the same bits.
+// The int8 kernel's pass over the packed W, included once per instruction set (kernels/csrc/int8_linear.cpp): each
+// inclusion sits in a namespace of its own that first defines X_ROWS (rows of x per pass), `block_start(o, row, b)`
+// (what a block's integer sums start from), `prepare(w)` and `dot8(sum, w, xb)`: `sum` plus, in lane j, the exact
+// dot of x's 4 bytes (xb, broadcast to every lane) with output j's 4 bytes of the packed vector w. Every variant
+// computes the same integer block sums, so they give the same bits.
 
-// y[r][n + j] for R rows of x from `row` (r < R) and W's rows n + j (j < WN). With `prefetch` (a group's first
-// pass), each block also asks for the WN * 32 bytes of W that lie PREFETCH ahead: W's rows are short streams
-// (K bytes each) that the hardware prefetchers barely learn, so a weight that does not fit the caches streamed at
-// a quarter of the memory's pace without it (7 GB/s against 30, one row, 576 x 98304 on an AMD EPYC Zen 4).
-template <int R, int WN>
-inline void dot_rows(const Operands& o, int64_t row, int64_t n, bool prefetch) {
-  __m256 acc[R][WN];
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < WN; j++) acc[r][j] = _mm256_setzero_ps();
+// y[r][16 t .. 16 t + 16) for R rows of x from `row` (r < R) and W's tile t. With `prefetch` (the tile's first
+// pass), each step also asks for the cache line PREFETCH bytes ahead: the hardware prefetchers alone streamed a
+// weight that does not fit the caches at ~0.6x the pace (the 49152 x 576 LM head at one row, AMD EPYC Zen 4).
+template <int R>
+inline void dot_tile(const Operands& o, int64_t row, int64_t t, bool prefetch) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int8_t* qx = o.x.q.data() + row * o.x.stride;
   const float* sx = o.x.scale.data() + row * o.x.blocks;
-  const int8_t* w_row = o.w + n * o.K;
-  auto block = [&](int64_t b, const __m256i (&wv)[WN]) {
-    for (int r = 0; r < R; r++) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * o.x.stride + b * BLOCK));
-      const __m256i ax = _mm256_sign_epi8(xv, xv);
-      const __m256 s = _mm256_set1_ps(sx[r * o.x.blocks + b]);
-      for (int j = 0; j < WN; j++) {
-        const __m256 dot = _mm256_cvtepi32_ps(dot4(ax, _mm256_sign_epi8(wv[j], xv)));
-        acc[r][j] = _mm256_fmadd_ps(dot, s, acc[r][j]);
+  const uint8_t* w = o.w + t * o.tile_bytes;  // read front to back: 64 bytes (2 vectors) a step
+  for (int64_t b = 0; b < o.x.blocks; b++) {
+    __m256i sum[R][2];
+    for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = block_start(o, row + r, b);
+    for (int step = 0; step < BLOCK / 4; step++, w += 64) {  // 4 bytes of K for 16 outputs: one cache line
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH), _MM_HINT_T0);  // (past W: a no-op)
+      const __m256i w0 = prepare(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+      const __m256i w1 = prepare(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
+      for (int r = 0; r < R; r++) {
+        int32_t four;
+        std::memcpy(&four, qx + r * o.x.stride + b * BLOCK + 4 * step, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        sum[r][0] = dot8(sum[r][0], w0, xb);
+        sum[r][1] = dot8(sum[r][1], w1, xb);
       }
     }
-  };
-  const int64_t full = o.K / BLOCK;
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w_row) + PREFETCH;  // (past W's end: a no-op)
-  for (int64_t b = 0; b < full; b++) {
-    if (prefetch)
-      for (int line = 0; line < WN * BLOCK; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * WN * BLOCK + line), _MM_HINT_T0);
-    __m256i wv[WN];  // (declared here, so the compiler keeps them in registers)
-    for (int j = 0; j < WN; j++)
-      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w_row + j * o.K + b * BLOCK));
-    block(b, wv);
-  }
-  if (full < o.x.blocks) {  // the last, shorter block: x's scratch holds zeros past K
-    __m256i wv[WN];
-    alignas(32) int8_t tail[WN][BLOCK] = {};
-    for (int j = 0; j < WN; j++) {
-      std::memcpy(tail[j], w_row + j * o.K + full * BLOCK, o.K - full * BLOCK);
-      wv[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail[j]));
+    for (int r = 0; r < R; r++) {  // the reference's order: the block's scaled sum, then added (no FMA)
+      const __m256 s = _mm256_set1_ps(sx[r * o.x.blocks + b]);
+      for (int v = 0; v < 2; v++)
+        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r][v]), s));
     }
-    block(full, wv);
   }
-  for (int r = 0; r < R; r++)
-    for (int j = 0; j < WN; j++) {
-      const float scaled = o.wscale[n + j] * hsum(acc[r][j]);
-      const float out = o.bias ? scaled + o.bias[n + j] : scaled;
-      if (o.y_bf16)
-        o.y_bf16[(row + r) * o.N + n + j] = c10::BFloat16(out);
-      else
-        o.y[(row + r) * o.N + n + j] = out;
+  for (int v = 0; v < 2; v++) {
+    const int64_t n = TILE * t + 8 * v, left = o.N - n;
+    if (left <= 0) break;  // the tile's padding past N
+    const __m256 scale = load8(o.wscale + n, left), bias = o.bias ? load8(o.bias + n, left) : _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+      __m256 out = _mm256_mul_ps(acc[r][v], scale);
+      if (o.bias) out = _mm256_add_ps(out, bias);
+      store8(o, (row + r) * o.N + n, left, out);
     }
+  }
 }
 
-// Rows [begin, end) of x against W's rows n..n+WN-1, which stay in the cache between passes.
-template <int WN>
-void all_rows(const Operands& o, int64_t begin, int64_t end, int64_t n) {
+// Rows [begin, end) of x against W's tile t, which stays in the cache between passes.
+inline void all_rows(const Operands& o, int64_t begin, int64_t end, int64_t t) {
   int64_t r = begin;
-  for (; r + X_ROWS <= end; r += X_ROWS) dot_rows<X_ROWS, WN>(o, r, n, r == begin);
+  for (; r + X_ROWS <= end; r += X_ROWS) dot_tile<X_ROWS>(o, r, t, r == begin);
   static_assert(X_ROWS == 2 || X_ROWS == 4, "rows are left in a pair and one at most");
   if (X_ROWS == 4 && r + 2 <= end) {
-    dot_rows<2, WN>(o, r, n, r == begin);
+    dot_tile<2>(o, r, t, r == begin);
     r += 2;
   }
-  if (r < end) dot_rows<1, WN>(o, r, n, r == begin);
+  if (r < end) dot_tile<1>(o, r, t, r == begin);
 }
 
-// y for every row of x: threads split W's rows in groups of W_ROWS, each group met by ROW_CHUNK rows at a time.
+// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time.
 inline void pass_over_w(const Operands& o, int64_t rows) {
-  const int64_t N = o.N;
-  at::parallel_for(0, (N + W_ROWS - 1) / W_ROWS, GRAIN / W_ROWS, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (o.N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / TILE), [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += ROW_CHUNK) {
       const int64_t last = std::min(rows, first + ROW_CHUNK);
-      for (int64_t group = begin; group < end; group++) {
-        const int64_t n = W_ROWS * group;
-        if (n + W_ROWS <= N) {
-          all_rows<W_ROWS>(o, first, last, n);
-        } else {
-          for (int64_t one = n; one < N; one++) all_rows<1>(o, first, last, one);
-        }
-      }
+      for (int64_t t = begin; t < end; t++) all_rows(o, first, last, t);
     }
   });
 }

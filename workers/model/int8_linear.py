@@ -16,9 +16,11 @@ as well, and `int8_linear_reference` in torch (the reference, and what runs wher
   `sx[r, b] = amax / 127`, `qx = round(x * (127 / amax))` with `amax = max |x[r, block b]|` (0: scale 0, all 0);
 - `y[r, n] = wscale[n] * sum_b sx[r, b] * float(sum_{k in b} qx[r, k] * qweight[n, k]) + bias[n]`, in float32.
 A block's integer dot product stays below 2**24 in magnitude (32 * 127 * 127), so the reference computes it exactly
-in float32 (any summation order gives the same bits) and then adds the blocks in order, one elementwise op each:
-a row's output does not depend on the rows beside it (batch invariance), nor on the columns computed with it, so
-q, k and v (gate and up) can run as one call on one matrix (`joint_linear`, for the fused decoder).
+in float32 (any summation order gives the same bits) and then adds the blocks in order, one elementwise op each;
+the native kernel does the same operations in the same order, so both give the same bits. A row's output does not
+depend on the rows beside it (batch invariance), nor on the columns computed with it, so q, k and v (gate and up)
+can run as one call on one matrix (`joint_linear`, for the fused decoder). Where the kernel runs, a layer keeps its
+int8 weight only in the kernel's layout (`native.int8_pack`: 16 outputs' bytes side by side).
 """
 
 from __future__ import annotations
@@ -120,29 +122,31 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel reads 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
                 on_native: bool) -> torch.Tensor:
-    """`y [..., N]` of `x [..., K]`, in x's dtype: on the native kernel where `on_native` (`native_int8`), with no
-    cast for float32 or bfloat16 x, else the reference in float32 (and always the reference in a compiled forward,
-    which traces it, and at no rows)."""
-    rows = x.reshape(-1, x.shape[-1])
+    """`y [..., N]` of `x [..., K]`, in x's dtype: on the native kernel where `on_native` (`native_int8`; `qweight`
+    then in its layout, `native.int8_pack`), with no cast for float32 or bfloat16 x, else the reference in float32
+    (and always the reference in a compiled forward, which traces it, and at no rows)."""
+    rows, columns = x.reshape(-1, x.shape[-1]), wscale.shape[0]
     if on_native and rows.shape[0] and not torch.compiler.is_compiling():
         y = native.int8_linear(rows if x.dtype in NATIVE_DTYPES else rows.float(), qweight, wscale, bias)
     else:
-        y = int8_linear_reference(rows.float().contiguous(), qweight, wscale, bias)
-    return y.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+        plain = native.int8_unpack(qweight, columns, x.shape[-1]) if on_native else qweight
+        y = int8_linear_reference(rows.float().contiguous(), plain, wscale, bias)
+    return y.to(x.dtype).view(*x.shape[:-1], columns)
 
 
 class Int8Linear(torch.nn.Module):
-    """A linear layer on int8 weights: `qweight` int8 [out, in], `wscale` float32 [out] and `bias` float32 [out]
-    (or None), as buffers; no float weight. Its input and output keep the model's dtype (computed in float32)."""
+    """A linear layer on int8 weights: `qweight` (int8 [out, in], or where the native kernel runs the same packed in
+    its layout), `wscale` float32 [out] and `bias` float32 [out] (or None), as buffers; no float weight. Its input
+    and output keep the model's dtype (computed in float32)."""
 
     def __init__(self, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
                  on_native: bool | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight)
+        self.on_native = native_int8(qweight.device) if on_native is None else on_native
+        self.register_buffer("qweight", native.int8_pack(qweight) if self.on_native else qweight)
         self.register_buffer("wscale", wscale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.on_native = native_int8(qweight.device) if on_native is None else on_native
 
     @classmethod
     def of(cls, module: torch.nn.Module, on_native: bool | None = None) -> Int8Linear:
@@ -178,8 +182,9 @@ def quantize_linears(model: torch.nn.Module, on_native: bool | None = None) -> i
     if not targets:
         return 0
     first = targets[0].weight
-    buffer = torch.empty(sum(m.weight.numel() for m in targets), dtype=torch.int8, device=first.device)
     on_native = native_int8(first.device) if on_native is None else on_native
+    sizes = [_stored_numel(*_out_in(m), on_native) for m in targets]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8 if on_native else torch.int8, device=first.device)
     replaced, offset = {}, 0
     for module in targets:
         quantized = Int8Linear.of(module, on_native)
@@ -192,6 +197,20 @@ def quantize_linears(model: torch.nn.Module, on_native: bool | None = None) -> i
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, replaced[id(module)])
     return len(targets)
+
+
+def _out_in(module: torch.nn.Module) -> tuple[int, int]:
+    """(out_features, in_features) of an `nn.Linear` or a `Conv1D` (whose weight is [in, out])."""
+    rows, columns = module.weight.shape
+    return (columns, rows) if isinstance(module, Conv1D) else (rows, columns)
+
+
+def _stored_numel(rows: int, columns: int, on_native: bool) -> int:
+    """How many bytes an int8 weight of `rows` x `columns` is kept in: in the native kernel's layout, both rounded
+    up (to whole tiles of outputs, to whole blocks of K)."""
+    if not on_native:
+        return rows * columns
+    return -(-rows // native.INT8_TILE) * native.INT8_TILE * -(-columns // QUANT_BLOCK) * QUANT_BLOCK
 
 
 def _one_matrix(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -212,12 +231,14 @@ class Int8JointLinear:
     def __init__(self, modules: list[Int8Linear]) -> None:
         self.modules = modules
         self.sizes = [module.out_features for module in modules]
-        self.qweight = _one_matrix([module.qweight for module in modules])
+        self.on_native = all(module.on_native for module in modules)
+        # packed, a part whose outputs end inside a tile would leave that tile's padding between two parts
+        aligned = not self.on_native or all(size % native.INT8_TILE == 0 for size in self.sizes[:-1])
+        self.qweight = _one_matrix([module.qweight for module in modules]) if aligned else None
         self.wscale = torch.cat([module.wscale for module in modules])
         biases = [module.bias for module in modules]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [module.wscale.new_zeros(module.out_features) if b is None else b for b, module in zip(biases, modules)])
-        self.on_native = all(module.on_native for module in modules)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.qweight is None:
