@@ -14,7 +14,7 @@ Workloads (every request interactive, the class a gateway's or a client's reques
   five streams at once behind tenant A's batch; tenant A's flood of chat requests, then tenant B's streams one
   after another, each judged; a guidellm sweep of streamed text completions at constant rates, the same for every
   setting: `rates` steps up to the rate guidellm's `throughput` profile reaches under the target off (the
-  reference, run first), so that each rate's row compares the settings at the same offered load.
+  reference, run first in the first round), so that each rate's row compares the settings at the same offered load.
 With --rounds N, each in-process workload, and the gateway's part as a whole, runs N rounds of every setting, the
 settings' order reversed each round (A B, B A, ...), and each row keeps its round of best throughput (the streams
 behind the batch and the flood: of the least wait over idle), as the issue's own figures were taken: on a shared
@@ -194,8 +194,9 @@ def gateway_rows(workloads: list[str], setting: str, model: str, dtype: str, thr
             s = serving.Settings(Path(resolve(model)), dtype, threads, SLOTS, 0, (), sizes.rates, sizes.seconds,
                                  SWEEP_PROMPT_TOKENS, SWEEP_OUTPUT_TOKENS, rates)
             serving.warm(plain_base, s)
-            calibrated = sweep_rates(plain_base, s, here)
-            rates.extend([] if rates else calibrated)
+            calibrated = sweep_rates(plain_base, s, here)  # by every setting: the same load before each sweep
+            if not rates:
+                rates.extend(calibrated)
             rows += sweep_rows(plain_base, setting, replace(s, rates=tuple(rates)), here)
         return rows
     finally:
