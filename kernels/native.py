@@ -71,6 +71,7 @@ from rqbatcher.kernels.build import (  # noqa: F401  (what each build is made of
     FP32_LINEAR_MAX_ROWS,
     INT8,
     INT8_BLOCK,
+    INT8_TILE,
     LINEAR_MAX_ROWS,
     MAX_QUERY_HEADS_PER_KV_HEAD,
     Build,
@@ -251,9 +252,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ weight.T + bias` for fp32 x of at most FP32_LINEAR_MAX_ROWS rows."""
     return load(FP32).fp32_linear(x, weight, bias)
-
-
-INT8_TILE = 16  # outputs per tile of int8_pack's layout (two 256-bit vectors of 4 bytes of K for each)
 
 
 def int8_pack(qweight: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def check(x, qweight, wscale, bias, isa=""):
 
 def test_the_kernel_builds_on_a_cpu_it_serves():
     assert native.load(native.INT8) is not None, native.unavailable_reason(native.INT8)
-    assert native.load(native.INT8).block == BLOCK
+    assert native.load(native.INT8).block == BLOCK and native.load(native.INT8).tile == native.INT8_TILE
     assert native.load(native.INT8).isa == ("avx512-vnni" if HAS_VNNI else "avx2")
 
 

@@ -65,7 +65,8 @@ using batcher::tail_mask;
 
 constexpr int BLOCK = INT8_BLOCK;  // kernels/build.py's INT8_BLOCK: x's quantization block, one AVX2 vector of int8
 static_assert(BLOCK == 32, "a block is one 256-bit vector of int8");
-constexpr int TILE = 16;            // outputs per packed tile: two 256-bit vectors of 4 bytes of K for each
+constexpr int TILE = INT8_TILE;     // kernels/build.py's INT8_TILE: outputs per packed tile
+static_assert(TILE == 16, "a tile is two 256-bit vectors of 4 bytes of K for 8 outputs each");
 constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
 constexpr int64_t PREFETCH = 8192;  // bytes of W ahead that a tile's first pass asks the cache for
 constexpr int64_t GRAIN = 96;       // outputs per task where torch runs several threads
