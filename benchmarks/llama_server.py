@@ -2,7 +2,8 @@
 
 Built once into the cache folder: `pip download` fetches the `llama-cpp-python` source package, which vendors
 llama.cpp; cmake builds its `llama-server`; its `convert_hf_to_gguf.py` converts the run's checkpoint to a GGUF
-in the run's dtype. The bench then starts the server with `--parallel` = the slots, the same threads, and the
+in the run's dtype, or to Q8_0 (llama.cpp's 8-bit blocks, what its CPU users run) where batcher runs
+`--quantization int8`. The bench then starts the server with `--parallel` = the slots, the same threads, and the
 token budget as its batch size, and drives it over HTTP with each request's token ids, `n_predict`,
 `ignore_eos` and greedy sampling, at the workload's arrival times; tokens are stamped as they stream back.
 Without cmake (or a local checkpoint) the system is skipped, with the reason in the report.
@@ -23,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.private_redis import free_port
-from rqbatcher.config import EngineConfig
+from rqbatcher.config import QUANTIZATION_INT8, EngineConfig
 from rqbatcher.workers.bench.record import PeakRss, SystemRun, by_arrival, wait_until
 from rqbatcher.workers.bench.workload import WorkloadRequest
 from rqbatcher.workers.engine.engine import WARMUP_REQUEST
@@ -31,6 +32,7 @@ from rqbatcher.workers.model.loading import cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source package whose vendored llama.cpp is built
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+GGUF_INT8 = "q8_0"  # int8 weights in blocks of 32 with a scale each: llama.cpp's peer of --quantization int8
 STARTUP_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 3600
 CONTEXT_ROUNDING = 256  # each slot's context: the longest request, rounded up to this
@@ -82,15 +84,20 @@ def server_binary(jobs: int = 1) -> Path:
     return binary
 
 
-def gguf_checkpoint(model_dir: Path, dtype: str) -> Path:
-    """The checkpoint as a GGUF in `dtype`, converted once by llama.cpp's own script."""
+def gguf_type(dtype: str, quantization: str) -> str:
+    """The GGUF type that matches batcher's run: Q8_0 for int8 weights, else the dtype."""
+    return GGUF_INT8 if quantization == QUANTIZATION_INT8 else GGUF_TYPES[dtype]
+
+
+def gguf_checkpoint(model_dir: Path, outtype: str) -> Path:
+    """The checkpoint as a GGUF of `outtype` (convert_hf_to_gguf.py's), converted once by llama.cpp's own script."""
     if not (model_dir / "config.json").exists():
         raise SystemUnavailable(f"llama-server: needs a local checkpoint folder to convert, not {model_dir}")
-    target = _root() / f"{model_dir.name}-{GGUF_TYPES[dtype]}.gguf"
+    target = _root() / f"{model_dir.name}-{outtype}.gguf"
     if not target.exists():
         staging = target.with_suffix(f".tmp-{os.getpid()}")
         done = subprocess.run([sys.executable, str(_fetch_source() / "convert_hf_to_gguf.py"), str(model_dir),
-                               "--outfile", str(staging), "--outtype", GGUF_TYPES[dtype]],
+                               "--outfile", str(staging), "--outtype", outtype],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {model_dir}:\n{done.stderr[-2000:]}")
@@ -141,7 +148,8 @@ def _wait_healthy(server: subprocess.Popen, port: int) -> None:
 
 def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir: Path, config: EngineConfig,
                      threads: int, name: str) -> SystemRun:
-    binary, gguf = server_binary(), gguf_checkpoint(model_dir, config.dtype)
+    outtype = gguf_type(config.dtype, config.quantization)
+    binary, gguf = server_binary(), gguf_checkpoint(model_dir, outtype)
     longest = max(w.prompt_len + w.max_tokens for w in workload)
     per_slot = -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
     port = free_port()
@@ -195,6 +203,6 @@ def _drive(workload: list[WorkloadRequest], vocab_size: int, port: int, config: 
     run.peak_rss_bytes = rss.peak
     _steps_from_stamps(run, lifespans)
     run.notes.append(f"{name}: llama.cpp {LLAMA_CPP_PYTHON_VERSION} (llama-cpp-python's), GGUF "
-                     f"{GGUF_TYPES[config.dtype]}, over HTTP; steps and occupancy are rebuilt from token stamps (an "
-                     "approximation), and its RSS is the server process's")
+                     f"{gguf_type(config.dtype, config.quantization)}, over HTTP; steps and occupancy are rebuilt "
+                     "from token stamps (an approximation), and its RSS is the server process's")
     return run

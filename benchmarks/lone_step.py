@@ -9,7 +9,9 @@ Each format (`dtype`, `dtype:quantization`, or `dtype:int8:variant` for one int8
 tokens to warm it, then --rounds more one after another, and times every `engine.step()` past the prefills (the
 --batch requests are added at once; the steps while any still prefills are left out); the formats take turns round
 by round, so a noisy neighbour touches them alike. Prints the median step per format, its tokens per second and
-its ratio to the first format's, with the CPU and which int8 kernel ran (`isa`). With --breakdown, one more round
+its ratio to the first format's, and against its weight-read floor (the bytes its weights are stored in, over the
+memory's read pace: `benchmarks.roofline`'s probe, the better of before and after), with the CPU and which int8
+kernel ran (`isa`). With --breakdown, one more round
 per format times every call into the native kernels, and splits the mean step into the linears, the other native
 kernels (attention, norms, rotary, KV writes) and the rest (Python, torch's own ops, the sampler).
 """
@@ -26,6 +28,7 @@ from unittest import mock
 import click
 import torch
 
+from benchmarks.roofline import ModelCost, read_bandwidth
 from rqbatcher.config import DEFAULT_MODEL, DEFAULT_QUANTIZATION, EngineConfig
 from rqbatcher.kernels import native
 from rqbatcher.schema import GenerationRequest, SamplingParams
@@ -98,6 +101,7 @@ def decode_steps(engine, tokens: int, batch: int, clock: KernelClock | None = No
 @click.option("--breakdown", is_flag=True, help="also split each format's step by where its time goes")
 def main(model: str, threads: int, formats: str, tokens: int, rounds: int, batch: int, breakdown: bool) -> None:
     torch.set_num_threads(threads)
+    read = read_bandwidth()
     engines, variants = {}, {}
     for spec in formats.split(","):
         dtype, quantization, variants[spec] = (spec.split(":") + ["", ""])[:3]
@@ -110,14 +114,17 @@ def main(model: str, threads: int, formats: str, tokens: int, rounds: int, batch
         for spec, engine in engines.items():
             with int8_variant(variants[spec]):
                 steps[spec] += decode_steps(engine, tokens, batch)
+    read = max(read, read_bandwidth())
     int8 = native.load(native.INT8)
     print(f"{cpu_name()}, {threads} torch thread(s), {batch} stream(s), int8 kernel: "
-          f"{int8.isa if int8 else 'torch reference'}")
-    print("| format | decode step p50 ms | tok/s | step against the first |\n|---|---:|---:|---:|")
+          f"{int8.isa if int8 else 'torch reference'}; memory read at {read / 1e9:.1f} GB/s")
+    print("| format | decode step p50 ms | tok/s | step against the first | weight-read floor ms | step against its "
+          "floor |\n|---|---:|---:|---:|---:|---:|")
     first = statistics.median(steps[next(iter(steps))])
     for spec, times in steps.items():
-        median = statistics.median(times)
-        print(f"| {spec} | {1e3 * median:.1f} | {batch / median:.1f} | {median / first:.2f}x |")
+        median, floor = statistics.median(times), ModelCost.of(engines[spec].runner.model).weight_bytes / read
+        print(f"| {spec} | {1e3 * median:.1f} | {batch / median:.1f} | {median / first:.2f}x | {1e3 * floor:.1f} | "
+              f"{median / floor:.2f}x |")
     if breakdown:
         print("\n| format | step mean ms | linears | other native kernels | the rest |\n|---|---:|---:|---:|---:|")
         for spec, engine in engines.items():

@@ -27,6 +27,7 @@ import torch
 
 from rqbatcher.schema import GenerationRequest, SamplingParams
 from rqbatcher.workers.bench.workload import WorkloadRequest, shared_prefix_lengths
+from rqbatcher.workers.model.int8_linear import Int8Linear
 
 PROBE_SIZE = 1024  # square matmul in the run's dtype: large enough to run at the CPU's peak, yet ~5-30 ms
 PROBE_REPEATS = 10
@@ -74,6 +75,7 @@ class ModelCost:
     head_params: int  # the LM head, which runs only on tokens that sample
     attention_flops_per_key: int  # QK^T and PV over all layers, per key in the context
     kv_values_per_key: int  # a key's keys and values in the cache, over all layers
+    weight_bytes: int  # what those matrices and the head are stored in (int8 weights: a byte each, and their scales)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelCost:
@@ -81,12 +83,15 @@ class ModelCost:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-        head = model.get_output_embeddings().weight
-        matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings and p is not head]
+        head = model.get_output_embeddings()
+        matrices = [p for p in model.parameters()
+                    if p.dim() == 2 and id(p) not in embeddings and p is not getattr(head, "weight", None)]
+        quantized = [m for m in model.modules() if isinstance(m, Int8Linear) and m is not head]
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(matmul_params=sum(p.numel() for p in matrices), head_params=head.numel(),
-                   attention_flops_per_key=4 * config.num_hidden_layers * heads * head_dim,
-                   kv_values_per_key=2 * config.num_hidden_layers * kv_heads * head_dim)
+        return cls(matmul_params=sum(p.numel() for p in matrices) + sum(_params(m) for m in quantized),
+                   head_params=_params(head), attention_flops_per_key=4 * config.num_hidden_layers * heads * head_dim,
+                   kv_values_per_key=2 * config.num_hidden_layers * kv_heads * head_dim,
+                   weight_bytes=sum(_nbytes(p) for p in matrices) + sum(map(_stored_bytes, [*quantized, head])))
 
     def request_flops(self, prompt_len: int, generated: int, cached: int = 0) -> int:
         """A request's useful FLOPs: every token but the last one is fed through the model once, except the
@@ -126,10 +131,9 @@ class Roofline:
         decode_keys = sum(cost.decode_keys(w.prompt_len, w.max_tokens, shared[w.id]) for w in workload)
         decode_attention_flops = cost.attention_flops_per_key * decode_keys
         kv_read_bytes = cost.kv_values_per_key * dtype.itemsize * decode_keys
-        weight_bytes = (cost.matmul_params + cost.head_params) * dtype.itemsize
-        weight_read_s = weight_bytes / read_bytes_s
+        weight_read_s = cost.weight_bytes / read_bytes_s
         decode_attention_s = max(kv_read_bytes / read_bytes_s, decode_attention_flops / matmul_flop_s)
-        return cls(matmul_flop_s, read_bytes_s, weight_bytes, slots, steps, flops, kv_read_bytes, weight_read_s,
+        return cls(matmul_flop_s, read_bytes_s, cost.weight_bytes, slots, steps, flops, kv_read_bytes, weight_read_s,
                    steps * weight_read_s + decode_attention_s + (flops - decode_attention_flops) / matmul_flop_s)
 
     def pct_of_limit(self, wall_s: float) -> float:
@@ -141,6 +145,22 @@ class Roofline:
                 f"{self.read_bytes_s / 1e9:.3g} GB/s) + decodes' KV reads ({self.kv_read_bytes / 1e9:.3g} GB) + "
                 f"{self.workload_flops / 1e12:.3g} TFLOP at {self.matmul_flop_s / 1e9:.3g} GFLOP/s (decode attention "
                 f"at the larger of its reads' time and its FLOPs')")
+
+
+def _params(linear: torch.nn.Module) -> int:
+    """Weights of a linear, float or int8."""
+    return linear.in_features * linear.out_features if isinstance(linear, Int8Linear) else linear.weight.numel()
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _stored_bytes(linear: torch.nn.Module) -> int:
+    """The bytes a decode step reads for a linear's weight: int8 ones with their scales."""
+    if isinstance(linear, Int8Linear):
+        return _nbytes(linear.qweight) + _nbytes(linear.wscale)
+    return _nbytes(linear.weight)
 
 
 def lone_decode_step_s(engine) -> float:

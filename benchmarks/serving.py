@@ -44,7 +44,7 @@ from benchmarks import serving_report as report
 from benchmarks.bench_worker import start_worker
 from benchmarks.gateway_cost import QUEUE, _start_gateway, _wait, stop_all, stop_processes
 from benchmarks.private_redis import free_port, start_redis_server
-from rqbatcher.config import DTYPES
+from rqbatcher.config import DTYPES, QUANTIZATION_NONE, QUANTIZATIONS
 from rqbatcher.workers.bench.report import cpu_name
 
 SERVED = "bench-model"  # the name both servers answer to
@@ -70,6 +70,7 @@ class Settings:
     prompt_tokens: int
     output_tokens: int
     rates: tuple[float, ...] = ()  # requests a second of the `constant` profile
+    quantization: str = QUANTIZATION_NONE  # int8: the worker's --quantization, and llama-server on a Q8_0 GGUF
 
 
 def guidellm_env() -> dict[str, str]:
@@ -137,7 +138,7 @@ def bench_batcher(s: Settings, directory: Path) -> dict:
         processes.append(gateway)
         processes.append(start_worker(redis_url, QUEUE, str(s.model_dir), s.dtype, s.threads, s.slots,
                                       directory / "worker.log", "--served-model-name", SERVED,
-                                      "--max-num-batched-tokens", str(s.budget)))
+                                      "--max-num-batched-tokens", str(s.budget), "--quantization", s.quantization))
 
         def serving() -> bool:
             import httpx
@@ -163,9 +164,9 @@ def _kinds(s: Settings) -> list[str]:
 
 
 def bench_llama_server(s: Settings, directory: Path, build_jobs: int) -> dict:
-    from benchmarks.llama_server import _wait_healthy, gguf_checkpoint, server_binary
+    from benchmarks.llama_server import _wait_healthy, gguf_checkpoint, gguf_type, server_binary
 
-    binary, gguf = server_binary(build_jobs), gguf_checkpoint(s.model_dir, s.dtype)
+    binary, gguf = server_binary(build_jobs), gguf_checkpoint(s.model_dir, gguf_type(s.dtype, s.quantization))
     per_slot = -(-(s.prompt_tokens * 2 + s.output_tokens) // CONTEXT_ROUNDING) * CONTEXT_ROUNDING  # room to spare
     port = free_port()
     with (directory / "llama-server.log").open("w") as log:
@@ -206,7 +207,8 @@ def engine_ttfts(s: Settings, bodies: list[dict]) -> list[float]:
 
     torch.set_num_threads(s.threads)
     engine = build_engine(EngineConfig(model=str(s.model_dir), dtype=s.dtype, device="cpu", max_num_seqs=s.slots,
-                                       max_num_batched_tokens=s.budget, prefix_caching=False))
+                                       max_num_batched_tokens=s.budget, prefix_caching=False,
+                                       quantization=s.quantization))
     engine.warm_up()
     requests = [parse_body({k: v for k, v in body.items() if k != "model"}, COMPLETIONS_URL,
                            extra_fields=("stream_options",)).model_copy(update={"service_class": "interactive"})
@@ -280,7 +282,9 @@ def markdown(out: dict) -> str:
     lines = [f"Machine: {m['cpu']}, {m['cpus']} CPUs, flags {', '.join(m['flags']) or 'none of note'}; torch "
              f"{m['torch']}, guidellm {m.get('guidellm')}, llama.cpp of llama-cpp-python {m['llama_cpp_python']}; "
              f"load average before / after: {' / '.join(f'{x:.2f}' for x in m.get('load_average_before_after', []))}",
-             f"Model {Path(s['model_dir']).name} in {s['dtype']}, {s['slots']} slots, {s['threads']} thread(s), "
+             f"Model {Path(s['model_dir']).name} in {s['dtype']}"
+             f"{' on int8 weights (llama-server: Q8_0)' if s.get('quantization') == 'int8' else ''}, "
+             f"{s['slots']} slots, {s['threads']} thread(s), "
              f"prompts of {s['prompt_tokens']} tokens, {s['output_tokens']} out, {s['seconds']:g} s a benchmark; "
              f"{out.get('minutes')} min in all", ""]
     for server, reason in out.get("skipped", {}).items():
@@ -311,6 +315,8 @@ def _levels(value: str) -> tuple[int, ...]:
 @click.command()
 @click.option("--model", default="smollm2", show_default=True, help="A local model folder, or smollm2.")
 @click.option("--dtype", type=click.Choice([d for d in DTYPES if d != "auto"]), default="float32", show_default=True)
+@click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=QUANTIZATION_NONE, show_default=True,
+              help="int8: the worker on int8 weights, llama-server on a Q8_0 GGUF of the same checkpoint.")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
               help="The worker's torch threads, llama-server's --threads and --threads-batch, the engine's.")
 @click.option("--slots", type=click.IntRange(1), default=8, show_default=True,
@@ -328,8 +334,8 @@ def _levels(value: str) -> tuple[int, ...]:
               help="cmake's jobs, when llama-server is built (once).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--keep-logs", is_flag=True, help="Keep the servers' and guidellm's logs and reports.")
-def main(model, dtype, threads, slots, budget, levels, sweep_size, seconds, prompt_tokens, output_tokens, systems,
-         build_jobs, json_path, keep_logs) -> None:
+def main(model, dtype, quantization, threads, slots, budget, levels, sweep_size, seconds, prompt_tokens, output_tokens,
+         systems, build_jobs, json_path, keep_logs) -> None:
     """guidellm against batcher's gateway and llama-server: a markdown table per profile (JSON with --json)."""
     if sweep_size == 1:
         raise click.BadParameter("a sweep has at least 2 benchmarks (or 0: none)", param_hint="--sweep-size")
@@ -337,7 +343,7 @@ def main(model, dtype, threads, slots, budget, levels, sweep_size, seconds, prom
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and guidellm on the way out
     settings = Settings(Path(resolve(model)), dtype, threads, slots, budget, _levels(levels), sweep_size, seconds,
-                        prompt_tokens, output_tokens)
+                        prompt_tokens, output_tokens, quantization=quantization)
     out = run(settings, tuple(x.strip() for x in systems.split(",")), build_jobs, keep_logs)
     if json_path:
         json_path.write_text(json.dumps(out, indent=1))

@@ -106,10 +106,28 @@ def test_model_cost_counts_weights_and_attention(tiny_model_dir):
     # 3 fed tokens, the first 2 from the prefix cache: only the third goes through the weights, over 3 keys
     assert cost.request_flops(3, 1, cached=2) == (2 * cost.matmul_params + 2 * cost.head_params
                                                   + 3 * cost.attention_flops_per_key)
+    assert cost.weight_bytes == 4 * (cost.matmul_params + cost.head_params)  # float32
+
+
+def test_model_cost_of_int8_weights_counts_the_same_weights_at_a_byte_each(tiny_model_dir):
+    """An engine on --quantization int8 (the LM head too) has the float model's FLOPs, and a decode step reads a byte
+    per weight plus a float32 scale per output."""
+    from transformers import AutoModelForCausalLM
+
+    from rqbatcher.workers.model.int8_linear import quantize_linears
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
+    full = ModelCost.of(model)
+    quantize_linears(model, on_native=False)
+    int8 = ModelCost.of(model)
+    assert (int8.matmul_params, int8.head_params) == (full.matmul_params, full.head_params)
+    outputs = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64) + 384
+    assert int8.weight_bytes == full.matmul_params + full.head_params + 4 * outputs
 
 
 def test_roofline_counts_the_decode_steps_any_scheduler_needs_and_the_flops():
-    cost = ModelCost(matmul_params=1000, head_params=500, attention_flops_per_key=10, kv_values_per_key=4)
+    cost = ModelCost(matmul_params=1000, head_params=500, attention_flops_per_key=10, kv_values_per_key=4,
+                     weight_bytes=1500 * 2)
     # outputs 12+3+6+2+5+4+3 = 35: at 2 slots, 18 steps; at 32 slots the longest output, 12
     for slots, steps in ((2, 18), (32, 12)):
         roofline = Roofline.of(WORKLOAD, cost, torch.bfloat16, slots, matmul_flop_s=1e9, read_bytes_s=3e6)

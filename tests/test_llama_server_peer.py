@@ -55,3 +55,22 @@ def test_llama_server_generates_every_token_of_every_request(request):
                          parse_system("hf-naive"), config, threads=1)
     server = comparison.report.system("llama-server")
     assert server.generated_tokens == sum(w.max_tokens for w in WORKLOAD)
+
+
+def test_int8_runs_against_a_q8_0_gguf_of_the_same_checkpoint(tmp_path, monkeypatch):
+    """llama.cpp's converter is asked for Q8_0 where batcher runs int8 weights, else for the run's dtype; each
+    conversion is kept under its own name."""
+    source = tmp_path / "llama.cpp"
+    source.mkdir()
+    (source / "convert_hf_to_gguf.py").write_text(
+        "import sys\nargs = sys.argv[1:]\n"
+        "open(args[args.index('--outfile') + 1], 'w').write(args[args.index('--outtype') + 1])\n")
+    monkeypatch.setattr(llama_server, "_fetch_source", lambda: source)
+    monkeypatch.setattr(llama_server, "_root", lambda: tmp_path)
+    model_dir = tmp_path / "smol"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    int8 = llama_server.gguf_checkpoint(model_dir, llama_server.gguf_type("float32", "int8"))
+    full = llama_server.gguf_checkpoint(model_dir, llama_server.gguf_type("bfloat16", "none"))
+    assert (int8.name, int8.read_text()) == ("smol-q8_0.gguf", "q8_0")
+    assert (full.name, full.read_text()) == ("smol-bf16.gguf", "bf16")

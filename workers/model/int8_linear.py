@@ -123,14 +123,16 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel reads 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
                 on_native: bool) -> torch.Tensor:
     """`y [..., N]` of `x [..., K]`, in x's dtype: on the native kernel where `on_native` (`native_int8`; `qweight`
-    then in its layout, `native.int8_pack`), with no cast for float32 or bfloat16 x, else the reference in float32
-    (and always the reference in a compiled forward, which traces it, and at no rows)."""
-    rows, columns = x.reshape(-1, x.shape[-1]), wscale.shape[0]
-    if on_native and rows.shape[0] and not torch.compiler.is_compiling():
-        y = native.int8_linear(rows if x.dtype in NATIVE_DTYPES else rows.float(), qweight, wscale, bias)
-    else:
-        plain = native.int8_unpack(qweight, columns, x.shape[-1]) if on_native else qweight
-        y = int8_linear_reference(rows.float().contiguous(), plain, wscale, bias)
+    then in its layout, `native.int8_pack`), which takes x in any shape and float32 or bfloat16 x with no cast (a
+    decode step makes ~120 of these calls: a reshape and a view in Python cost ~14 us each call on a slow CPU);
+    else the reference in float32 (and always the reference in a compiled forward, which traces it)."""
+    if on_native and not torch.compiler.is_compiling():
+        if x.dtype in NATIVE_DTYPES:
+            return native.int8_linear(x, qweight, wscale, bias)
+        return native.int8_linear(x.float(), qweight, wscale, bias).to(x.dtype)
+    columns = wscale.shape[0]
+    plain = native.int8_unpack(qweight, columns, x.shape[-1]) if on_native else qweight
+    y = int8_linear_reference(x.reshape(-1, x.shape[-1]).float().contiguous(), plain, wscale, bias)
     return y.to(x.dtype).view(*x.shape[:-1], columns)
 
 
@@ -243,7 +245,7 @@ class Int8JointLinear:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.qweight is None:
             return [module(x) for module in self.modules]
-        return int8_linear(x, self.qweight, self.wscale, self.bias, self.on_native).split(self.sizes, dim=-1)
+        return int8_linear(x, self.qweight, self.wscale, self.bias, self.on_native).split_with_sizes(self.sizes, -1)
 
 
 def joint_linear(modules: list[torch.nn.Module]) -> Int8JointLinear | JointLinear:

@@ -141,11 +141,12 @@ class JointLinear:
         if self.weight is None:
             return [module(x) for module in self.modules]
         if self.fp32 and _on_fp32_linear(rows):
-            return native.fp32_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            return native.fp32_linear(x, self.weight, self.bias).split_with_sizes(self.sizes, -1)
         if self.tile_weight is not None and (self.batch_invariant or _on_tiles(rows, self.tile_weight)):
-            return native.tile_linear(x, self.tile_weight, self.bias, sum(self.sizes)).split(self.sizes, dim=-1)
+            y = native.tile_linear(x, self.tile_weight, self.bias, sum(self.sizes))
+            return y.split_with_sizes(self.sizes, -1)
         if not self.fp32 and not self.batch_invariant and _on_small_linear(rows, True):
-            return native.small_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            return native.small_linear(x, self.weight, self.bias).split_with_sizes(self.sizes, -1)
         return [module(x) for module in self.modules]
 
 
