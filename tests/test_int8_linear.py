@@ -294,7 +294,7 @@ def test_the_fused_layers_run_on_the_int8_modules_with_transformers_logits(invar
     plain = engine_for(invariance_model, **knobs)
     plain.runner.fused = None
     layer = fused.runner.fused.layers[0]
-    assert isinstance(layer.qkv_proj, Int8JointLinear) and isinstance(layer.down_proj, Int8Linear)
+    assert isinstance(layer.qkv_proj, Int8JointLinear) and isinstance(layer.down_proj.__self__, Int8Linear)
     fused_logits, plain_logits = record_logits(fused), record_logits(plain)
     for i, prompt in enumerate(random_prompts(6, seed=5, min_len=3, max_len=50)):
         fused.add(f"r{i}", greedy(prompt, MAX_TOKENS))
