@@ -30,17 +30,16 @@ from pathlib import Path
 import click
 
 from benchmarks.bench_worker import start_worker
-from benchmarks.gateway_cost import QUEUE, _start_gateway, _wait, stop_processes
+from benchmarks.gateway_cost import QUEUE, _start_gateway, stop_processes
 from benchmarks.private_redis import start_redis_server
+from benchmarks.serving import SERVED, wait_until_served
 from rqbatcher.config import DEFAULT_MODEL, DTYPES, QUANTIZATION_INT8, QUANTIZATION_NONE
 from rqbatcher.workers.bench.report import cpu_name
 from rqbatcher.workers.model.loading import resolve
 
 HELD_OUT = Path(__file__).parent / "data" / "held_out.txt"
 TASK = "batcher_held_out_next_sentence"
-SERVED = "bench-model"
 CHOICES = 4
-READY_S = 300  # a worker loads torch and the model on a busy machine
 DEFAULT_CONCURRENT = 8
 TASK_YAML = """task: {task}
 dataset_path: json
@@ -49,7 +48,7 @@ dataset_kwargs:
     test: {docs}
 test_split: test
 output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
+doc_to_text: "{{{{question}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: label
 metric_list:
@@ -75,18 +74,23 @@ def documents(text: str) -> list[dict]:
                 others = [sentences[(index + k * len(sentences) // CHOICES) % len(sentences)]
                           for k in range(1, CHOICES)]
                 choices = others[:label] + [paragraph[place]] + others[label:]
-                docs.append({"context": " ".join(paragraph[:place]), "choices": [f" {c}" for c in choices],
+                docs.append({"question": " ".join(paragraph[:place]), "choices": [f" {c}" for c in choices],
                              "label": label})
             index += 1
     return docs
 
 
-def write_task(folder: Path) -> int:
-    docs = documents(HELD_OUT.read_text())
-    path = folder / "docs.jsonl"
+def write_choice_task(folder: Path, task: str, docs: list[dict]) -> None:
+    """lm-eval's multiple-choice task `task` in `folder` (its `include_path`), from documents of `question`,
+    `choices` and `label` (the right choice's index); scored by accuracy and length-normalised accuracy."""
+    path = folder / f"{task}.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (folder / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, docs=path))
-    return len(docs)
+    (folder / f"{task}.yaml").write_text(TASK_YAML.format(task=task, docs=path))
+
+
+def loglikelihoods(results: dict, task: str) -> dict[int, list[float]]:
+    """Each document's loglikelihood of each choice, from `simple_evaluate(..., log_samples=True)`."""
+    return {s["doc_id"]: [r[0] for r in s["filtered_resps"]] for s in results["samples"][task]}
 
 
 def evaluate(base: str, model_dir: Path, task_dir: Path, concurrent: int) -> dict:
@@ -103,17 +107,11 @@ def evaluate(base: str, model_dir: Path, task_dir: Path, concurrent: int) -> dic
 
 def one_run(redis_url: str, base: str, settings: dict, quantization: str, directory: Path, task_dir: Path) -> dict:
     """lm-eval against a worker of `quantization`, started for it and stopped after."""
+    log = directory / f"worker-{quantization}.log"
     worker = start_worker(redis_url, QUEUE, str(settings["model_dir"]), settings["dtype"], settings["threads"],
-                          settings["concurrent"], directory / f"worker-{quantization}.log",
-                          "--served-model-name", SERVED, "--quantization", quantization)
+                          settings["concurrent"], log, "--served-model-name", SERVED, "--quantization", quantization)
     try:
-        def serving() -> bool:
-            import httpx
-
-            assert worker.poll() is None, (directory / f"worker-{quantization}.log").read_text()[-2000:]
-            return SERVED in [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
-
-        _wait(serving, READY_S, f"the {quantization} worker")
+        wait_until_served(base, worker, log)
         started = time.perf_counter()
         results = evaluate(base, settings["model_dir"], task_dir, settings["concurrent"])
         seconds = time.perf_counter() - started
@@ -121,7 +119,7 @@ def one_run(redis_url: str, base: str, settings: dict, quantization: str, direct
         stop_processes([worker])
     scores = results["results"][TASK]
     return {"acc": scores["acc,none"], "acc_norm": scores["acc_norm,none"], "seconds": seconds,
-            "loglikelihoods": {s["doc_id"]: [r[0] for r in s["filtered_resps"]] for s in results["samples"][TASK]}}
+            "loglikelihoods": loglikelihoods(results, TASK)}
 
 
 def compare(full: dict, int8: dict) -> dict:
@@ -146,7 +144,8 @@ def run(model: str, dtype: str, threads: int, concurrent: int) -> dict:
         directory = Path(folder)
         task_dir = directory / "task"
         task_dir.mkdir()
-        documents_count = write_task(task_dir)
+        docs = documents(HELD_OUT.read_text())
+        write_choice_task(task_dir, TASK, docs)
         os.environ.setdefault("HF_DATASETS_CACHE", str(directory / "datasets"))
         try:
             redis_server, redis_url = start_redis_server(directory)
@@ -158,7 +157,7 @@ def run(model: str, dtype: str, threads: int, concurrent: int) -> dict:
         finally:
             stop_processes(processes)
     return {"cpu": cpu_name(), "model": model, "dtype": dtype, "threads": threads, "concurrent": concurrent,
-            "documents": documents_count, "choices": CHOICES, "runs": runs,
+            "documents": len(docs), "choices": CHOICES, "runs": runs,
             "difference": compare(runs[QUANTIZATION_NONE]["loglikelihoods"],
                                   runs[QUANTIZATION_INT8]["loglikelihoods"])}
 

@@ -129,6 +129,18 @@ def warm(base: str, s: Settings) -> None:
     httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
 
 
+def wait_until_served(base: str, worker: subprocess.Popen, log: Path) -> None:
+    """Until the gateway at `base` lists SERVED (the worker's heartbeat has reached it); the worker's log where it
+    exits first."""
+    def served() -> bool:
+        import httpx
+
+        assert worker.poll() is None, log.read_text()[-2000:]
+        return SERVED in [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
+
+    _wait(served, READY_S, "the worker")
+
+
 def bench_batcher(s: Settings, directory: Path) -> dict:
     processes = []
     try:
@@ -140,13 +152,7 @@ def bench_batcher(s: Settings, directory: Path) -> dict:
                                       directory / "worker.log", "--served-model-name", SERVED,
                                       "--max-num-batched-tokens", str(s.budget), "--quantization", s.quantization))
 
-        def serving() -> bool:
-            import httpx
-
-            assert processes[-1].poll() is None, (directory / "worker.log").read_text()[-2000:]
-            return SERVED in [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
-
-        _wait(serving, READY_S, "the worker")
+        wait_until_served(base, processes[-1], directory / "worker.log")
         warm(base, s)
         reports = {}
         for kind in _kinds(s):

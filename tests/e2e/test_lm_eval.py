@@ -8,10 +8,9 @@ It scores a continuation with `echo`, `logprobs` and `max_tokens` 1 on /v1/compl
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from benchmarks.int8_lm_eval import loglikelihoods, write_choice_task
 from tests.e2e.gateway_pool import serving
 from tests.tiny_models import build_tiny_model
 
@@ -27,21 +26,6 @@ LOGLIKELIHOOD_TOLERANCE = 1e-3
 ADDENDS = [(2, 3), (4, 1), (6, 2), (3, 3), (5, 4), (1, 7), (2, 6), (8, 1), (4, 4), (3, 5)]
 OPPOSITES = [("hot", "cold"), ("up", "down"), ("left", "right"), ("day", "night"), ("big", "small"),
              ("early", "late"), ("open", "closed"), ("fast", "slow"), ("wet", "dry"), ("light", "dark")]
-TASK_YAML = """task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {docs}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 def documents() -> list[dict]:
@@ -61,9 +45,7 @@ def documents() -> list[dict]:
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lm-eval-task")
-    docs = folder / "docs.jsonl"
-    docs.write_text("".join(json.dumps(d) + "\n" for d in documents()))
-    (folder / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, docs=docs))
+    write_choice_task(folder, TASK, documents())
     return folder
 
 
@@ -82,11 +64,6 @@ def evaluate(task_dir, model: str, model_args: str) -> dict:
                                    task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
 
 
-def loglikelihoods(results: dict) -> dict[int, list[float]]:
-    """Each document's loglikelihood of each choice."""
-    return {s["doc_id"]: [r[0] for r in s["filtered_resps"]] for s in results["samples"][TASK]}
-
-
 def test_lm_eval_through_the_gateway_equals_its_hugging_face_backend(served, task_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     model_dir, completions_url = served
@@ -94,7 +71,7 @@ def test_lm_eval_through_the_gateway_equals_its_hugging_face_backend(served, tas
     through = evaluate(task_dir, "local-completions",
                        f"model={MODEL},base_url={completions_url},tokenizer={model_dir},tokenizer_backend=huggingface,"
                        "tokenized_requests=False,num_concurrent=1,max_retries=1")
-    expected, got = loglikelihoods(reference), loglikelihoods(through)
+    expected, got = loglikelihoods(reference, TASK), loglikelihoods(through, TASK)
     assert sorted(got) == sorted(expected) == list(range(len(documents())))
     for doc_id, values in expected.items():
         assert got[doc_id] == pytest.approx(values, abs=LOGLIKELIHOOD_TOLERANCE), doc_id
