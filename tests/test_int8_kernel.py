@@ -18,7 +18,7 @@ from rqbatcher.workers.model.int8_linear import int8_linear_reference
 BLOCK = native.INT8_BLOCK
 pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.INT8.cpu_flags),
                                 reason="the int8 kernel needs AVX2 and FMA")
-HAS_VNNI = {"avx512_vnni", "avx512vl"} <= set(native.cpu_flags())
+HAS_VNNI = {"avx512_vnni", "avx512vl", "avx512bw"} <= set(native.cpu_flags())
 VARIANTS = ["avx2", "avx512-vnni"] if HAS_VNNI else ["avx2"]
 
 
@@ -136,12 +136,17 @@ def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
     check(x, qweight, wscale, bias)
 
 
-def test_a_nan_or_inf_in_a_row_of_x_makes_that_row_nan_and_no_other():
-    x, qweight, wscale, bias = operands(4, 100, 9, seed=4)
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_a_nan_or_inf_in_a_row_of_x_makes_that_row_nan_and_no_other(isa):
+    x, qweight, wscale, bias = operands(4, 100, 19, seed=4)
     x[1, 40], x[3, 99] = float("nan"), float("inf")  # in a whole block, in the last (shorter) one
-    y = kernel(x, qweight, wscale, bias)
+    y = kernel(x, qweight, wscale, bias, isa)
     assert y[[1, 3]].isnan().all() and torch.isfinite(y[[0, 2]]).all()
-    check(x[[0, 2]], qweight, wscale, bias)
+    check(x[[0, 2]], qweight, wscale, bias, isa)
+    # in bf16 too: the same rows NaN, the others rounded as torch rounds
+    xb = x.bfloat16()
+    got, wide = kernel(xb, qweight, wscale, bias, isa), kernel(xb.float(), qweight, wscale, bias, isa)
+    assert torch.equal(got.isnan(), wide.isnan()) and torch.equal(got[[0, 2]], wide[[0, 2]].bfloat16())
 
 
 def test_it_approximates_the_float_linear_it_quantizes():

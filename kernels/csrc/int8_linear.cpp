@@ -19,9 +19,10 @@
 //   even, as torch's `.to` rounds): a bf16 model's linears then cast nothing around the call.
 // The layout (kernels/native.py's `int8_pack`): W's rows in tiles of 16 (zero rows past N), each tile's K (zero
 // past K to whole blocks) in steps of 4 bytes, each step the 4 bytes of every output of the tile side by side:
-// bytes 4s..4s+3 of output 16t + j lie at t * tile_bytes + 64 s + 4 j, as u8 (q + 128). One 256-bit load holds 4
-// bytes of K for 8 outputs, and the kernel reads W front to back, one stream (prefetched PREFETCH bytes ahead).
-// A block's dot, 8 outputs at a time: x's 4 bytes are broadcast to every lane. On AVX-512 VNNI one vpdpbusd adds
+// bytes 4s..4s+3 of output 16t + j lie at t * tile_bytes + 64 s + 4 j, as u8 (q + 128). One 64-byte step holds 4
+// bytes of K for the tile's 16 outputs (two 256-bit vectors, or one of 512), and the kernel reads W front to back,
+// one stream (prefetched PREFETCH bytes ahead).
+// A block's dot: x's 4 bytes are broadcast to every lane. On AVX-512 VNNI (512-bit vectors) one vpdpbusd adds
 // (q + 128) * x for the 4 bytes of each output, and the block's sums start at -128 times the block's sum of x
 // (exact, computed as x is quantized). On AVX2 the bytes are made signed again (xor 0x80), _mm256_sign_epi8 moves
 // x's signs onto them, and |x| times them is summed by _mm256_maddubs_epi16 (exact: 2 * 127 * 127 fits in int16)
@@ -32,7 +33,7 @@
 //
 // Order of the work: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with
 // zeros, one scale and one sum per block). W is streamed once, a tile at a time, each block met by every row of x
-// while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 4 on AVX-512's 32; ROW_CHUNK
+// while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 8 on AVX-512's 32; ROW_CHUNK
 // rows at most per pass over W, so a prefill's scratch stays in L2). Threads split the tiles (at::parallel_for).
 // The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
@@ -40,10 +41,11 @@
 // number of rows, the other rows and the threads (no FMA contraction: -ffp-contract=off), so a row's bits never
 // depend on its batch (docs/batch-invariance.md).
 //
-// Speed (one thread, AMD EPYC Zen 4, SmolLM2's weights): the VNNI variant 2.0-2.5x the unpacked layout's kernel it
-// replaced from 8 rows on, 0.43-0.86x the time of torch's bf16 linear (oneDNN's AVX512-BF16) at 8-128 rows; the
-// AVX2 variant 1.1-1.75x its predecessor. At one row both stream W near the memory's pace. Not written yet: an
-// AMX-INT8 variant (tile products for prefill's many rows).
+// Speed (one thread, AMD EPYC Zen 4, SmolLM2's weights): the VNNI variant, on 512-bit vectors 8 rows at a time,
+// takes 0.82-0.93x the time of the same on 256-bit vectors 4 rows at a time from 8 rows on, and 0.36-0.79x that of
+// torch's bf16 linear (oneDNN's AVX512-BF16) at 8-512 rows; the AVX2 variant 1.1-1.75x the unpacked layout's kernel.
+// At one row every variant streams W near the memory's pace. Not written yet: an AMX-INT8 variant (tile products
+// for prefill's many rows).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -167,45 +169,91 @@ struct Operands {
   c10::BFloat16* y_bf16;   // bf16 output (x's dtype), rounded to nearest even as torch rounds
 };
 
-// 8 outputs (fewer at N's end: `left`) of one row, at y's element `at`.
-inline void store8(const Operands& o, int64_t at, int64_t left, __m256 out) {
-  if (o.y_bf16) {
-    alignas(32) float values[8];
-    _mm256_store_ps(values, out);
-    for (int64_t i = 0; i < std::min<int64_t>(8, left); i++) o.y_bf16[at + i] = c10::BFloat16(values[i]);
-  } else if (left >= 8) {
-    _mm256_storeu_ps(o.y + at, out);
-  } else {
-    _mm256_maskstore_ps(o.y + at, tail_mask(left), out);
-  }
-}
-
 namespace avx2 {
-constexpr int X_ROWS = 2;  // rows of x per pass: 8 sums and accumulators of AVX2's 16 registers
-inline __m256i block_start(const Operands&, int64_t, int64_t) { return _mm256_setzero_si256(); }
-inline __m256i prepare(__m256i packed) { return _mm256_xor_si256(packed, _mm256_set1_epi8(-128)); }  // signed q
+constexpr int X_ROWS = 2;   // rows of x per pass: 8 sums and accumulators of AVX2's 16 registers
+constexpr int VECTORS = 2;  // 8 outputs a vector
+using Sums = __m256i;
+using Floats = __m256;
+inline Sums block_start(const Operands&, int64_t, int64_t) { return _mm256_setzero_si256(); }
+inline Sums load_w(const uint8_t* w) {  // signed q again
+  return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), _mm256_set1_epi8(-128));
+}
 // |x| times q carrying x's signs, pairs summed in int16 (exact), then pairs of those in int32.
-inline __m256i dot8(__m256i sum, __m256i q, __m256i xb) {
+inline Sums dot(Sums sum, Sums q, int32_t four) {
+  const __m256i xb = _mm256_set1_epi32(four);
   const __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(q, xb));
   return _mm256_add_epi32(sum, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+}
+inline Floats add_block(Floats acc, Sums sum, float sx) {
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(sx)));
+}
+template <int R>
+inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc) {
+  const int64_t left = o.N - n;
+  const __m256 scale = load8(o.wscale + n, left), bias = o.bias ? load8(o.bias + n, left) : _mm256_setzero_ps();
+  for (int r = 0; r < R; r++) {
+    __m256 out = _mm256_mul_ps(acc[r], scale);
+    if (o.bias) out = _mm256_add_ps(out, bias);
+    const int64_t at = (row + r) * o.N + n;
+    if (o.y_bf16) {
+      alignas(32) float values[8];
+      _mm256_store_ps(values, out);
+      for (int64_t i = 0; i < std::min<int64_t>(8, left); i++) o.y_bf16[at + i] = c10::BFloat16(values[i]);
+    } else if (left >= 8) {
+      _mm256_storeu_ps(o.y + at, out);
+    } else {
+      _mm256_maskstore_ps(o.y + at, tail_mask(left), out);
+    }
+  }
 }
 #include "int8_tiles.h"
 }  // namespace avx2
 
-// AVX-512 VNNI (with VL, on 256-bit vectors): vpdpbusd sums the four products of each lane in one instruction.
+// AVX-512 VNNI on 512-bit vectors: a tile's 16 outputs are one vector, so a step is one load of W and one
+// vpdpbusd a row (0.82-0.93x the time of the same kernel on 256-bit vectors, AMD EPYC Zen 4).
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512vnni"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 #endif
 namespace vnni {
-constexpr int X_ROWS = 4;  // 16 sums and accumulators: AVX-512 has 32 registers
-inline __m256i block_start(const Operands& o, int64_t row, int64_t b) {
-  return _mm256_set1_epi32(o.x.offset[row * o.x.blocks + b]);  // takes back the 128 each packed byte carries
+constexpr int X_ROWS = 8;   // 16 sums and accumulators of AVX-512's 32 registers
+constexpr int VECTORS = 1;  // 16 outputs a vector
+using Sums = __m512i;
+using Floats = __m512;
+inline Sums block_start(const Operands& o, int64_t row, int64_t b) {
+  return _mm512_set1_epi32(o.x.offset[row * o.x.blocks + b]);  // takes back the 128 each packed byte carries
 }
-inline __m256i prepare(__m256i packed) { return packed; }  // u8: q + 128
-inline __m256i dot8(__m256i sum, __m256i packed, __m256i xb) { return _mm256_dpbusd_epi32(sum, packed, xb); }
+inline Sums load_w(const uint8_t* w) { return _mm512_loadu_si512(w); }  // u8: q + 128
+inline Sums dot(Sums sum, Sums packed, int32_t four) { return _mm512_dpbusd_epi32(sum, packed, _mm512_set1_epi32(four)); }
+inline Floats add_block(Floats acc, Sums sum, float sx) {
+  return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx)));
+}
+// bf16 rounded to nearest even, as c10::BFloat16 rounds (a NaN: 0x7FC0), for 16 lanes at once.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_cvtepi32_epi16(
+      _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0)));
+}
+template <int R>
+inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc) {
+  const int64_t left = o.N - n;
+  const __mmask16 keep = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+  const __m512 scale = _mm512_maskz_loadu_ps(keep, o.wscale + n);
+  const __m512 bias = o.bias ? _mm512_maskz_loadu_ps(keep, o.bias + n) : _mm512_setzero_ps();
+  for (int r = 0; r < R; r++) {
+    __m512 out = _mm512_mul_ps(acc[r], scale);
+    if (o.bias) out = _mm512_add_ps(out, bias);
+    const int64_t at = (row + r) * o.N + n;
+    if (o.y_bf16)
+      _mm256_mask_storeu_epi16(o.y_bf16 + at, keep, to_bf16(out));
+    else
+      _mm512_mask_storeu_ps(o.y + at, keep, out);
+  }
+}
 #include "int8_tiles.h"
 }  // namespace vnni
 #if defined(__clang__)
@@ -215,7 +263,8 @@ inline __m256i dot8(__m256i sum, __m256i packed, __m256i xb) { return _mm256_dpb
 #endif
 
 bool vnni_present() {
-  static const bool present = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  static const bool present = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                               __builtin_cpu_supports("avx512bw");
   return present;
 }
 
