@@ -3,8 +3,10 @@
     python -m benchmarks.compare --workload skew-small --systems batcher:continuous,hf-cb,llama-server --threads 1
 
 The peers: the transformers baselines `hf-cb`, `hf-static`, `hf-naive` (`benchmarks.peers`) and llama.cpp's
-`llama-server` (`benchmarks.llama_server`; built on first use, skipped with the reason where it cannot be). `hf-cb`
-and `llama-server` run with their prefix cache unless named with `:no-prefix-caching`. The batcher systems are the
+`llama-server` (`benchmarks.llama_server`; built on first use, skipped with the reason where it cannot be), on a
+GGUF in the run's dtype (Q8_0 with `--quantization int8`) or in the type it is named with (`llama-server:q4_k_m`,
+`llama-server:f32`...: several side by side). `hf-cb` and `llama-server` run with their prefix cache unless named
+with `:no-prefix-caching`. The batcher systems are the
 product's (`rqbatcher.workers.bench.system`), run as `batcher bench` runs them. On top of `batcher bench`'s report,
 each system's model FLOP utilisation (its useful FLOPs per second over a matmul probe measured in the same run) and
 its % of the roofline limit (`benchmarks.roofline`), and a lone sequence's decode step against the weight-read floor.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from benchmarks.llama_server import SystemUnavailable
+from benchmarks.llama_server import GGUF_CHOICES, SystemUnavailable
 from benchmarks.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
 from rqbatcher.cli.options import engine_options, redis_url_option
 from rqbatcher.config import EngineConfig
@@ -42,19 +44,24 @@ QUICK_PEERS = (*HF_PEERS, f"hf-cb{NO_PREFIX_CACHING_SUFFIX}")
 class Peer:
     kind: str
     prefix_caching: bool = True
+    gguf: str = ""  # llama-server's weights, one of GGUF_CHOICES; "" for the type matching batcher's run
 
     @classmethod
     def parse(cls, name: str) -> Peer | None:
-        """`hf-cb`, `llama-server:no-prefix-caching`...; None where `name` names no peer."""
+        """`hf-cb`, `llama-server:q4_k_m:no-prefix-caching`...; None where `name` names no peer."""
         kind = name.removesuffix(NO_PREFIX_CACHING_SUFFIX)
         caching = kind == name
+        kind, _, gguf = kind.partition(":")
+        if gguf and (kind != LLAMA_SERVER or gguf not in GGUF_CHOICES):
+            return None
         if kind in (*HF_PEERS, LLAMA_SERVER) and (caching or kind in PREFIX_CACHING_PEERS):
-            return cls(kind, caching)
+            return cls(kind, caching, gguf)
         return None
 
     @property
     def name(self) -> str:
-        return self.kind + ("" if self.prefix_caching else NO_PREFIX_CACHING_SUFFIX)
+        gguf = f":{self.gguf}" if self.gguf else ""
+        return self.kind + gguf + ("" if self.prefix_caching else NO_PREFIX_CACHING_SUFFIX)
 
     def without_prefix_caching(self) -> Peer:
         return replace(self, prefix_caching=False) if self.kind in PREFIX_CACHING_PEERS else self
@@ -71,8 +78,9 @@ def parse_system(name: str) -> System | Peer:
     try:
         return System.parse(name)
     except ValueError as exc:
-        raise ValueError(f"{exc}; the peers are {', '.join((*HF_PEERS, LLAMA_SERVER))}, and "
-                         f"{' and '.join(PREFIX_CACHING_PEERS)} take {NO_PREFIX_CACHING_SUFFIX}") from None
+        raise ValueError(f"{exc}; the peers are {', '.join((*HF_PEERS, LLAMA_SERVER))}, "
+                         f"{' and '.join(PREFIX_CACHING_PEERS)} take {NO_PREFIX_CACHING_SUFFIX}, and "
+                         f"{LLAMA_SERVER} a GGUF type: {', '.join(GGUF_CHOICES)}") from None
 
 
 @dataclass
@@ -125,7 +133,8 @@ def run_peer(peer: Peer, config: EngineConfig, workload: list[WorkloadRequest],
         from rqbatcher.workers.model.loading import resolve
 
         del model  # the server loads its own copy
-        return run_llama_server(workload, vocab, Path(resolve(config.model)), config, threads, peer.name), cost, None
+        return (run_llama_server(workload, vocab, Path(resolve(config.model)), config, threads, peer.name, peer.gguf),
+                cost, None)
     if peer.kind == "hf-cb":
         num_blocks = min(num_kv_blocks(model, config), peers.workload_blocks(workload, config.block_size))
         return peers.run_hf_cb(model, workload, vocab, config, num_blocks, peer.name), cost, None

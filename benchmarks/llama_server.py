@@ -3,10 +3,12 @@
 Built once into the cache folder: `pip download` fetches the `llama-cpp-python` source package, which vendors
 llama.cpp; cmake builds its `llama-server`; its `convert_hf_to_gguf.py` converts the run's checkpoint to a GGUF
 in the run's dtype, or to Q8_0 (llama.cpp's 8-bit blocks, what its CPU users run) where batcher runs
-`--quantization int8`. The bench then starts the server with `--parallel` = the slots, the same threads, and the
-token budget as its batch size, and drives it over HTTP with each request's token ids, `n_predict`,
-`ignore_eos` and greedy sampling, at the workload's arrival times; tokens are stamped as they stream back.
-Without cmake (or a local checkpoint) the system is skipped, with the reason in the report.
+`--quantization int8`; a peer named with a GGUF type (`llama-server:q4_k_m`) runs that type instead, and its
+`llama-quantize` (built beside the server) makes the 4-bit Q4_K_M from the f32 conversion. The bench then starts
+the server with `--parallel` = the slots, the same threads, and the token budget as its batch size, and drives it
+over HTTP with each request's token ids, `n_predict`, `ignore_eos` and greedy sampling, at the workload's arrival
+times; tokens are stamped as they stream back. Without cmake (or a local checkpoint) the system is skipped, with
+the reason in the report.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from rqbatcher.workers.model.loading import cache_dir
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the source package whose vendored llama.cpp is built
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 GGUF_INT8 = "q8_0"  # int8 weights in blocks of 32 with a scale each: llama.cpp's peer of --quantization int8
+GGUF_QUANTIZED = {"q4_k_m": "Q4_K_M"}  # types llama-quantize makes from the f32 GGUF: 4-bit k-quants, a CPU favourite
+GGUF_CHOICES = (*GGUF_TYPES.values(), GGUF_INT8, *GGUF_QUANTIZED)  # what a peer may name
 STARTUP_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 3600
 CONTEXT_ROUNDING = 256  # each slot's context: the longest request, rounded up to this
@@ -67,8 +71,13 @@ def _fetch_source() -> Path:
 
 def server_binary(jobs: int = 1) -> Path:
     """`llama-server`, built once with cmake (a few CPU minutes per job... tens on a small machine)."""
+    return _tool("llama-server", jobs)
+
+
+def _tool(target: str, jobs: int) -> Path:
+    """One of llama.cpp's programs, built once with cmake; a second one reuses the first's build of the library."""
     build = _root() / f"build-{LLAMA_CPP_PYTHON_VERSION}"
-    binary = build / "bin" / "llama-server"
+    binary = build / "bin" / target
     if binary.exists():
         return binary
     if shutil.which("cmake") is None:
@@ -80,7 +89,7 @@ def server_binary(jobs: int = 1) -> Path:
                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF"],
                    check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", str(jobs)], check=True)
     return binary
 
 
@@ -89,18 +98,24 @@ def gguf_type(dtype: str, quantization: str) -> str:
     return GGUF_INT8 if quantization == QUANTIZATION_INT8 else GGUF_TYPES[dtype]
 
 
-def gguf_checkpoint(model_dir: Path, outtype: str) -> Path:
-    """The checkpoint as a GGUF of `outtype` (convert_hf_to_gguf.py's), converted once by llama.cpp's own script."""
+def gguf_checkpoint(model_dir: Path, outtype: str, jobs: int = 1) -> Path:
+    """The checkpoint as a GGUF of `outtype` (one of GGUF_CHOICES), made once by llama.cpp's own programs:
+    convert_hf_to_gguf.py, then for GGUF_QUANTIZED llama-quantize on the f32 conversion (built with `jobs`)."""
     if not (model_dir / "config.json").exists():
         raise SystemUnavailable(f"llama-server: needs a local checkpoint folder to convert, not {model_dir}")
     target = _root() / f"{model_dir.name}-{outtype}.gguf"
     if not target.exists():
         staging = target.with_suffix(f".tmp-{os.getpid()}")
-        done = subprocess.run([sys.executable, str(_fetch_source() / "convert_hf_to_gguf.py"), str(model_dir),
-                               "--outfile", str(staging), "--outtype", outtype],
-                              capture_output=True, text=True)
+        if outtype in GGUF_QUANTIZED:
+            tool = _tool("llama-quantize", jobs)
+            command = [str(tool), str(gguf_checkpoint(model_dir, GGUF_TYPES["float32"])), str(staging),
+                       GGUF_QUANTIZED[outtype]]
+        else:
+            tool = _fetch_source() / "convert_hf_to_gguf.py"
+            command = [sys.executable, str(tool), str(model_dir), "--outfile", str(staging), "--outtype", outtype]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {model_dir}:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"llama.cpp's {tool.name} failed on {model_dir}:\n{done.stderr[-2000:]}")
         staging.rename(target)
     return target
 
@@ -147,8 +162,9 @@ def _wait_healthy(server: subprocess.Popen, port: int) -> None:
 
 
 def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir: Path, config: EngineConfig,
-                     threads: int, name: str) -> SystemRun:
-    outtype = gguf_type(config.dtype, config.quantization)
+                     threads: int, name: str, outtype: str = "") -> SystemRun:
+    """The workload through llama-server on the checkpoint as a GGUF of `outtype` (by default `gguf_type`'s)."""
+    outtype = outtype or gguf_type(config.dtype, config.quantization)
     binary, gguf = server_binary(), gguf_checkpoint(model_dir, outtype)
     longest = max(w.prompt_len + w.max_tokens for w in workload)
     per_slot = -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
@@ -165,7 +181,7 @@ def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir
         _wait_healthy(server, port)
         _post(port, _request(WARMUP_REQUEST.prompt_token_ids, WARMUP_REQUEST.sampling.max_tokens, False),
               lambda ids: None)
-        return _drive(workload, vocab_size, port, config, name, server.pid)
+        return _drive(workload, vocab_size, port, config, name, server.pid, outtype)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -173,7 +189,7 @@ def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir
 
 
 def _drive(workload: list[WorkloadRequest], vocab_size: int, port: int, config: EngineConfig, name: str,
-           pid: int) -> SystemRun:
+           pid: int, outtype: str) -> SystemRun:
     """Submit each request at its arrival time, each on its own connection, and stamp its tokens."""
     from benchmarks.peers import _steps_from_stamps
 
@@ -202,7 +218,7 @@ def _drive(workload: list[WorkloadRequest], vocab_size: int, port: int, config: 
         run.wall_s = time.perf_counter() - start
     run.peak_rss_bytes = rss.peak
     _steps_from_stamps(run, lifespans)
-    run.notes.append(f"{name}: llama.cpp {LLAMA_CPP_PYTHON_VERSION} (llama-cpp-python's), GGUF "
-                     f"{gguf_type(config.dtype, config.quantization)}, over HTTP; steps and occupancy are rebuilt "
-                     "from token stamps (an approximation), and its RSS is the server process's")
+    run.notes.append(f"{name}: llama.cpp {LLAMA_CPP_PYTHON_VERSION} (llama-cpp-python's), GGUF {outtype}, over HTTP; "
+                     "steps and occupancy are rebuilt from token stamps (an approximation), and its RSS is the server "
+                     "process's")
     return run

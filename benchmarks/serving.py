@@ -7,8 +7,9 @@ against llama.cpp's `llama-server`, on the same model, dtype, slots and threads.
 - batcher: a redis-server of the bench's own, one `batcher worker` (`--max-num-seqs` SLOTS, `OMP_NUM_THREADS`
   THREADS, the model in --dtype) and one `batcher serve`; guidellm talks to the gateway.
 - llama-server: built once into the cache (benchmarks/llama_server.py), the same checkpoint converted to a GGUF
-  of the same dtype, `--parallel` SLOTS, `--threads`/`--threads-batch` THREADS, `--batch-size`/`--ubatch-size` the
-  worker's token budget. Where it cannot be built or started, batcher runs alone and the report says why.
+  of the same dtype (Q8_0 with `--quantization int8`; `--llama-gguf` names another type, e.g. q4_k_m), `--parallel`
+  SLOTS, `--threads`/`--threads-batch` THREADS, `--batch-size`/`--ubatch-size` the worker's token budget. Where it
+  cannot be built or started, batcher runs alone and the report says why.
 - guidellm runs as its CLI (`GUIDELLM__MAX_WORKER_PROCESSES=1`: one asyncio worker process carries every stream),
   text completions (`/v1/completions`, so that both servers see the same prompt tokens), streamed, greedy, synthetic
   prompts of --prompt-tokens with --output-tokens each (`ignore_eos`), the tokenizer read from the model's folder,
@@ -43,6 +44,7 @@ import click
 from benchmarks import serving_report as report
 from benchmarks.bench_worker import start_worker
 from benchmarks.gateway_cost import QUEUE, _start_gateway, _wait, stop_all, stop_processes
+from benchmarks.llama_server import GGUF_CHOICES, gguf_type
 from benchmarks.private_redis import free_port, start_redis_server
 from rqbatcher.config import DTYPES, QUANTIZATION_NONE, QUANTIZATIONS
 from rqbatcher.workers.bench.report import cpu_name
@@ -71,6 +73,7 @@ class Settings:
     output_tokens: int
     rates: tuple[float, ...] = ()  # requests a second of the `constant` profile
     quantization: str = QUANTIZATION_NONE  # int8: the worker's --quantization, and llama-server on a Q8_0 GGUF
+    llama_gguf: str = ""  # llama-server's GGUF type where not the one matching the worker's (llama_server.gguf_type)
 
 
 def guidellm_env() -> dict[str, str]:
@@ -170,9 +173,10 @@ def _kinds(s: Settings) -> list[str]:
 
 
 def bench_llama_server(s: Settings, directory: Path, build_jobs: int) -> dict:
-    from benchmarks.llama_server import _wait_healthy, gguf_checkpoint, gguf_type, server_binary
+    from benchmarks.llama_server import _wait_healthy, gguf_checkpoint, server_binary
 
-    binary, gguf = server_binary(build_jobs), gguf_checkpoint(s.model_dir, gguf_type(s.dtype, s.quantization))
+    binary = server_binary(build_jobs)
+    gguf = gguf_checkpoint(s.model_dir, s.llama_gguf or gguf_type(s.dtype, s.quantization), build_jobs)
     per_slot = -(-(s.prompt_tokens * 2 + s.output_tokens) // CONTEXT_ROUNDING) * CONTEXT_ROUNDING  # room to spare
     port = free_port()
     with (directory / "llama-server.log").open("w") as log:
@@ -282,6 +286,11 @@ def run(s: Settings, systems: tuple[str, ...], build_jobs: int, keep_logs: bool)
         stop_all([], directory, keep_logs)
 
 
+def gguf_name(settings: dict) -> str:
+    """The GGUF type llama-server ran, from a report's settings."""
+    return settings.get("llama_gguf") or gguf_type(settings["dtype"], settings.get("quantization", QUANTIZATION_NONE))
+
+
 def markdown(out: dict) -> str:
     m, s = out["machine"], out["settings"]
     rows = {server: [report.Level(**r) for kind in v.values() for r in kind] for server, v in out["servers"].items()}
@@ -289,7 +298,7 @@ def markdown(out: dict) -> str:
              f"{m['torch']}, guidellm {m.get('guidellm')}, llama.cpp of llama-cpp-python {m['llama_cpp_python']}; "
              f"load average before / after: {' / '.join(f'{x:.2f}' for x in m.get('load_average_before_after', []))}",
              f"Model {Path(s['model_dir']).name} in {s['dtype']}"
-             f"{' on int8 weights (llama-server: Q8_0)' if s.get('quantization') == 'int8' else ''}, "
+             f"{' on int8 weights' if s.get('quantization') == 'int8' else ''} (llama-server: {gguf_name(s)}), "
              f"{s['slots']} slots, {s['threads']} thread(s), "
              f"prompts of {s['prompt_tokens']} tokens, {s['output_tokens']} out, {s['seconds']:g} s a benchmark; "
              f"{out.get('minutes')} min in all", ""]
@@ -323,6 +332,8 @@ def _levels(value: str) -> tuple[int, ...]:
 @click.option("--dtype", type=click.Choice([d for d in DTYPES if d != "auto"]), default="float32", show_default=True)
 @click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=QUANTIZATION_NONE, show_default=True,
               help="int8: the worker on int8 weights, llama-server on a Q8_0 GGUF of the same checkpoint.")
+@click.option("--llama-gguf", type=click.Choice(GGUF_CHOICES),
+              help="llama-server's GGUF type (default: the worker's dtype, or Q8_0 for int8).")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
               help="The worker's torch threads, llama-server's --threads and --threads-batch, the engine's.")
 @click.option("--slots", type=click.IntRange(1), default=8, show_default=True,
@@ -340,8 +351,8 @@ def _levels(value: str) -> tuple[int, ...]:
               help="cmake's jobs, when llama-server is built (once).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--keep-logs", is_flag=True, help="Keep the servers' and guidellm's logs and reports.")
-def main(model, dtype, quantization, threads, slots, budget, levels, sweep_size, seconds, prompt_tokens, output_tokens,
-         systems, build_jobs, json_path, keep_logs) -> None:
+def main(model, dtype, quantization, llama_gguf, threads, slots, budget, levels, sweep_size, seconds, prompt_tokens,
+         output_tokens, systems, build_jobs, json_path, keep_logs) -> None:
     """guidellm against batcher's gateway and llama-server: a markdown table per profile (JSON with --json)."""
     if sweep_size == 1:
         raise click.BadParameter("a sweep has at least 2 benchmarks (or 0: none)", param_hint="--sweep-size")
@@ -349,7 +360,7 @@ def main(model, dtype, quantization, threads, slots, budget, levels, sweep_size,
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and guidellm on the way out
     settings = Settings(Path(resolve(model)), dtype, threads, slots, budget, _levels(levels), sweep_size, seconds,
-                        prompt_tokens, output_tokens, quantization=quantization)
+                        prompt_tokens, output_tokens, quantization=quantization, llama_gguf=llama_gguf or "")
     out = run(settings, tuple(x.strip() for x in systems.split(",")), build_jobs, keep_logs)
     if json_path:
         json_path.write_text(json.dumps(out, indent=1))

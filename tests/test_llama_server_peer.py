@@ -2,6 +2,7 @@
 where it cannot be built. Building it takes CPU minutes, so the run itself is `-m slow` (and needs cmake)."""
 
 import shutil
+import sys
 
 import pytest
 
@@ -20,6 +21,11 @@ def test_it_is_named_like_the_other_peers_and_kept_out_of_the_default_test_run()
     with pytest.raises(ValueError, match="unknown llama-server@redis"):
         parse_system("llama-server@redis")
     assert "llama-server" not in QUICK_PEERS
+    assert parse_system("llama-server:q4_k_m:no-prefix-caching") == Peer("llama-server", False, "q4_k_m")
+    assert parse_system("llama-server:q4_k_m").name == "llama-server:q4_k_m"
+    for bad in ("llama-server:q3_k", "hf-cb:q8_0"):
+        with pytest.raises(ValueError, match=f"unknown {bad}.*a GGUF type: f32, bf16, f16, q8_0, q4_k_m"):
+            parse_system(bad)
 
 
 def test_a_machine_without_cmake_skips_it_with_the_reason(tiny_model_dir, tmp_path, monkeypatch):
@@ -74,3 +80,27 @@ def test_int8_runs_against_a_q8_0_gguf_of_the_same_checkpoint(tmp_path, monkeypa
     full = llama_server.gguf_checkpoint(model_dir, llama_server.gguf_type("bfloat16", "none"))
     assert (int8.name, int8.read_text()) == ("smol-q8_0.gguf", "q8_0")
     assert (full.name, full.read_text()) == ("smol-bf16.gguf", "bf16")
+
+
+def test_a_q4_k_m_peer_is_quantized_by_llama_quantize_from_the_f32_conversion(tmp_path, monkeypatch):
+    """llama.cpp's converter makes the f32 GGUF once; its llama-quantize (built on demand) makes Q4_K_M from it."""
+    source = tmp_path / "llama.cpp"
+    source.mkdir()
+    (source / "convert_hf_to_gguf.py").write_text(
+        "import sys\nargs = sys.argv[1:]\n"
+        "open(args[args.index('--outfile') + 1], 'w').write(args[args.index('--outtype') + 1])\n")
+    quantize = tmp_path / "llama-quantize"  # stands in for the built tool: writes "<input's text> -> <type>"
+    quantize.write_text(f"#!{sys.executable}\nimport sys\n_, src, dst, kind = sys.argv\n"
+                        "open(dst, 'w').write(open(src).read() + ' -> ' + kind)\n")
+    quantize.chmod(0o755)
+    built = []
+    monkeypatch.setattr(llama_server, "_fetch_source", lambda: source)
+    monkeypatch.setattr(llama_server, "_root", lambda: tmp_path)
+    monkeypatch.setattr(llama_server, "_tool", lambda target, jobs: built.append((target, jobs)) or quantize)
+    model_dir = tmp_path / "smol"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    q4 = llama_server.gguf_checkpoint(model_dir, "q4_k_m", jobs=2)
+    assert (q4.name, q4.read_text()) == ("smol-q4_k_m.gguf", "f32 -> Q4_K_M")
+    assert (tmp_path / "smol-f32.gguf").read_text() == "f32" and built == [("llama-quantize", 2)]
+    assert llama_server.gguf_checkpoint(model_dir, "q4_k_m") == q4 and len(built) == 1  # made once

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import serving_report as sr
-from benchmarks.serving import SERVED, Settings, guidellm_command
+from benchmarks.serving import SERVED, Settings, gguf_name, guidellm_command
 
 
 def distribution(count: int, p50: float = 0.0, p99: float = 0.0, mean: float = 0.0) -> dict:
@@ -110,3 +110,9 @@ def test_the_guidellm_command_line():
     assert sweep[sweep.index("--profile") + 1] == "kind=sweep,sweep_size=4,max_concurrency=16"
     # each profile its own prompts: the sweep must not find the concurrent run's in a prefix cache
     assert concurrent[concurrent.index("--seed") + 1] != sweep[sweep.index("--seed") + 1]
+
+
+def test_the_report_names_the_gguf_llama_server_ran():
+    assert gguf_name({"dtype": "bfloat16"}) == "bf16"
+    assert gguf_name({"dtype": "float32", "quantization": "int8", "llama_gguf": ""}) == "q8_0"
+    assert gguf_name({"dtype": "float32", "quantization": "int8", "llama_gguf": "q4_k_m"}) == "q4_k_m"
