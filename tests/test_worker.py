@@ -382,3 +382,19 @@ def test_heartbeat_publishes_the_workers_figures(fake_redis):
     (stats,) = admin.list_workers(fake_redis)
     assert (stats.name, stats.state, stats.free_slots, stats.model) == (worker.name, "idle", 4, "fake-model")
     assert stats.prefix_cache_hit_rate == 0.75
+
+
+def test_a_scan_of_empty_queues_runs_no_pick_and_the_next_job_is_picked(fake_redis, monkeypatch):
+    """The pick is a script over every queue's keys: where no queue holds a job (one EXISTS says so), a scan skips
+    it and reports the queues empty; a job queued then is picked and started by the next scan."""
+    worker = make_worker(fake_redis)
+    worker.bootstrap()
+    classes, picks = worker.admission.classes, []
+    pick = classes.pick
+    monkeypatch.setattr(classes, "pick", lambda *args, **kwargs: picks.append(args) or pick(*args, **kwargs))
+    assert worker.admission.admit(block=False) == [] and picks == []
+    depths = worker.admission.queue_depths
+    assert Q in depths and not any(depths.values()) and worker.admission.queues_empty
+    job_id = Client(fake_redis, queue=Q).submit(request())
+    assert [f.job.id for f in worker.admission.admit(block=False)] == [job_id] and len(picks) == 1
+    assert worker.admission.queue_depths[Q] == 1  # as the pick read it, before taking

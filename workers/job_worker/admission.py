@@ -5,8 +5,9 @@ Each taken job moves into its queue's intermediate list, as RQ's reliable dequeu
 started as its own RQ Execution under a lease (one transaction for all jobs taken together), decoded, checked
 against its deadline and its cancel flag, and handed to the engine. A job that cannot run ends at once with a
 readable reason. A busy worker rescans the queues at most every BUSY_RESCAN_S while its room stays the same (a
-slot that frees is filled on the next step); an idle one waits on Redis until any of its queues has work, or a new
-class queue of its bases is registered (without taking anything: `BaseJobWorker.wait_for_work`), then picks.
+slot that frees is filled on the next step), and runs the pick only where one EXISTS finds a job in any of them;
+an idle one waits on Redis until any of its queues has work, or a new class queue of its bases is registered
+(without taking anything: `BaseJobWorker.wait_for_work`), then picks.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ class Admission:
         worker = self.worker
         with worker.connection.pipeline(transaction=False) as pipe:
             pipe.exists(WORKERS_SUSPENDED)
+            pipe.exists(*(queue.key for queue in worker.queues))  # an empty list does not exist
             self.classes.read_on(pipe)
-            suspended, *registries = pipe.execute()
-        self.classes.update(registries)
+            suspended, waiting, *registries = pipe.execute()
+        grown = self.classes.update(registries)
         self._next_scan, self._room_scanned = time.monotonic() + BUSY_RESCAN_S, room
         self.suspended = bool(suspended)
         if self.suspended:  # `rq suspend`: admit nothing; the jobs in flight go on
@@ -77,8 +79,12 @@ class Admission:
             if block:
                 self.jobs.wait(IDLE_WAIT_S)
             return []
-        holding = frozenset(f.tenant for f in self.jobs) if fair > 0 else frozenset()  # read only for fair room
-        self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit, fair, holding)
+        if waiting or grown:
+            holding = frozenset(f.tenant for f in self.jobs) if fair > 0 else frozenset()  # read only for fair room
+            self.queue_depths, picked = self.classes.pick(max(free, 0), extra, self.engine.batch_deficit, fair,
+                                                          holding)
+        else:  # nothing to take: skip the pick, a script over every queue's keys (a busy scan's main cost)
+            self.queue_depths, picked = self.classes.empty_depths(), []
         self.queues_empty = not any(self.queue_depths.values())
         taken: list[Taken] = []
         for queue, ids in picked:

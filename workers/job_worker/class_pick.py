@@ -53,17 +53,23 @@ class ClassAdmission:
         for base in self.bases:
             pipe.smembers(keys.class_queues_key(base))
 
-    def update(self, registries: list) -> None:
-        """Take in the registries `read_on` read: a new class queue of this worker's becomes one of its queues."""
+    def update(self, registries: list) -> bool:
+        """Take in the registries `read_on` read: a new class queue of this worker's becomes one of its queues.
+        Whether one did."""
         found = {as_text(name) for names in registries for name in names}
         new = sorted(name for name in found - self._known if keys.unprioritised(name) in self.routed)
         if not new:
-            return
+            return False
         worker = self.worker
         queues = [worker.queue_class(name, connection=worker.connection, serializer=worker.serializer) for name in new]
         worker.queues = worker.queues + queues  # rebound, not grown in place: the keeper's thread iterates it
         self._known.update(new)
         self._refresh(worker.queues)
+        return True
+
+    def empty_depths(self) -> dict[str, int]:
+        """What `pick` reports of the queues when none holds a job."""
+        return {queue.name: 0 for _, queue in self._candidates}
 
     def pick(self, free: int, extra: int, batch_first: int, fair_extra: int = 0, holding: frozenset[str] = frozenset()
              ) -> tuple[dict[str, int], list[tuple[object, list[tuple[str, str]]]]]:
