@@ -226,7 +226,9 @@ inline Sums block_start(const Operands& o, int64_t row, int64_t b) {
   return _mm512_set1_epi32(o.x.offset[row * o.x.blocks + b]);  // takes back the 128 each packed byte carries
 }
 inline Sums load_w(const uint8_t* w) { return _mm512_loadu_si512(w); }  // u8: q + 128
-inline Sums dot(Sums sum, Sums packed, int32_t four) { return _mm512_dpbusd_epi32(sum, packed, _mm512_set1_epi32(four)); }
+inline Sums dot(Sums sum, Sums packed, int32_t four) {
+  return _mm512_dpbusd_epi32(sum, packed, _mm512_set1_epi32(four));
+}
 inline Floats add_block(Floats acc, Sums sum, float sx) {
   return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx)));
 }
@@ -234,7 +236,8 @@ inline Floats add_block(Floats acc, Sums sum, float sx) {
 inline __m256i to_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   return _mm512_cvtepi32_epi16(
       _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0)));
 }
