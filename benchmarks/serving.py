@@ -176,7 +176,7 @@ def bench_llama_server(s: Settings, directory: Path, build_jobs: int) -> dict:
     from benchmarks.llama_server import _wait_healthy, gguf_checkpoint, server_binary
 
     binary = server_binary(build_jobs)
-    gguf = gguf_checkpoint(s.model_dir, s.llama_gguf or gguf_type(s.dtype, s.quantization), build_jobs)
+    gguf = gguf_checkpoint(s.model_dir, gguf_name(s.__dict__), build_jobs)
     per_slot = -(-(s.prompt_tokens * 2 + s.output_tokens) // CONTEXT_ROUNDING) * CONTEXT_ROUNDING  # room to spare
     port = free_port()
     with (directory / "llama-server.log").open("w") as log:
