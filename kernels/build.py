@@ -64,8 +64,8 @@ OPENMP = "-fopenmp"
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: `load(build)` runs in every kernel call
 class Build:
     """One extension: its sources (headers included, for the digest), the CPU flags its instructions need, the
-    flags that rule it out (a CPU where torch's kernels serve better), its compiler flags, and the folder of its
-    sources."""
+    flags (a vendor among them) that together rule it out (a CPU where torch's kernels serve better), its compiler
+    flags, and the folder of its sources."""
 
     label: str  # in the logs: "bf16 CPU kernels"
     name: str
@@ -87,7 +87,7 @@ BF16 = Build("bf16", "batcher_cpu_kernels",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 FP32 = Build("fp32", "batcher_fp32_kernels",
              ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),
-             ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"), ("avx512f",),
+             ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"), ("GenuineIntel", "avx512f"),
              # no FMA contraction: the layer ops round each product as torch's ops do (the kernels' FMAs are
              # written out)
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",

@@ -12,11 +12,11 @@ the places of a bf16 step where torch's own kernels fall short:
   kernel spends most of its time outside the matmuls;
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
   transformers' modules make 3 to 27 torch ops (`rqbatcher.workers.model.fused_decoder`).
-On an AVX2 CPU without AVX-512 (`FP32`), where `dtype auto` picks fp32, `fp32_linear` takes a decode step's
-linears (up to 32 rows), which MKL reads at well below the memory's pace there; `paged_decode` and the layer
-ops but `silu_mul` run in fp32. Where AVX-512 exists, MKL's own AVX-512 kernels keep fp32: the AVX2 kernel was measured
-against MKL's AVX2 paths only. Either build writes a step's keys and values to the cache (`write_kv`), in any
-dtype.
+On an AVX2 CPU (`FP32`), `fp32_linear` takes a fp32 decode step's linears (up to 32 rows), which torch's kernels
+read at well below the memory's pace there (on an AMD EPYC Zen 4 with AVX-512 too: 11 GB/s at one row against the
+kernel's 16); `paged_decode` and the layer ops but `silu_mul` run in fp32. An Intel CPU with AVX-512 keeps torch's
+kernels (MKL runs its AVX-512 paths there; not measured against this kernel). Either build writes a step's keys and
+values to the cache (`write_kv`), in any dtype.
 
 The int8 build (`INT8`: AVX2 and FMA, so it loads on every AVX2 CPU, AVX-512 ones included, beside either build
 above) holds `int8_linear`: `x @ W.T + b` on weights of one byte (symmetric per output channel, `wscale`), x
@@ -95,21 +95,31 @@ class NotWanted(Unavailable):
 
 @functools.cache
 def cpu_flags() -> set[str]:
+    """The CPU's flags and its vendor (`GenuineIntel`, `AuthenticAMD`), as /proc/cpuinfo names them."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    first_cpu = text.partition("\n\n")[0]
+    fields = {key.strip(): value.split() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    return set(fields.get("flags", [])) | set(fields.get("vendor_id", []))
+
+
+def why_not_here(build: Build, flags: set[str]) -> Unavailable | None:
+    """Why `build` does not run on a CPU of `flags` (`cpu_flags`): a flag it lacks, or every flag of the build's
+    `excluded_by` present (a CPU where torch's kernels serve better); None where it runs."""
+    missing = [flag for flag in build.cpu_flags if flag not in flags]
+    if missing:
+        return Unavailable(f"this CPU lacks {', '.join(missing)}")
+    if build.excluded_by and all(flag in flags for flag in build.excluded_by):
+        return NotWanted(f"on this CPU ({', '.join(build.excluded_by)}) torch's kernels serve")
+    return None
 
 
 def _load(build: Build):
-    missing = [flag for flag in build.cpu_flags if flag not in cpu_flags()]
-    if missing:
-        raise Unavailable(f"this CPU lacks {', '.join(missing)}")
-    present = [flag for flag in build.excluded_by if flag in cpu_flags()]
-    if present:
-        raise NotWanted(f"this CPU has {', '.join(present)}, where torch's kernels serve")
+    reason = why_not_here(build, cpu_flags())
+    if reason is not None:
+        raise reason
     try:
         return builds.load(build, build_missing=builds.build_requested())
     except builds.NotReady as reason:  # not built, a failed build: torch's kernels serve instead

@@ -218,11 +218,11 @@ def test_a_live_builder_is_waited_for_within_a_bound_with_log_lines_and_then_giv
 # ----- a worker killed in the middle of a kernel build -----
 
 def native_build_here() -> tuple[builds.Build, str]:
-    """The build a worker on this CPU class asks for (bf16 with AVX-512 BF16, fp32 on AVX2 without AVX-512), and the
+    """The build a worker on this CPU class asks for (bf16 with AVX-512 BF16, else fp32 on AVX2), and the
     dtype that makes it ask."""
     flags = native.cpu_flags()
     for build, dtype in ((native.BF16, "bfloat16"), (native.FP32, "float32")):
-        if all(f in flags for f in build.cpu_flags) and not any(f in flags for f in build.excluded_by):
+        if native.why_not_here(build, flags) is None:
             return build, dtype
     pytest.skip("this CPU runs neither native build")
 
