@@ -128,6 +128,19 @@ def test_the_native_kernel_gives_the_references_bits_on_the_weight_kept_packed()
     assert module(x[:0]).shape == (0, 200)  # no rows: the reference, on the weight unpacked
 
 
+@on_native_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_forward_runs_the_native_kernel_with_its_bits(monkeypatch, dtype):
+    weight, x, bias = weights_and_input(out_features=200, features=576, rows=4)
+    module = Int8Linear(*quantize_weight(weight), bias)
+    x = x.to(dtype)
+    eager = module(x)
+    calls, kernel = [], native.int8_linear
+    monkeypatch.setattr(native, "int8_linear", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    assert torch.equal(torch.compile(module, fullgraph=True)(x), eager)
+    assert calls == [x.shape]  # the kernel ran: not the reference, traced into the graph
+
+
 def test_a_module_keeps_its_input_dtype_and_shape():
     weight, x, bias = weights_and_input()
     module = Int8Linear(*quantize_weight(weight), bias, on_native=False)

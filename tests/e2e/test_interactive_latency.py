@@ -17,6 +17,7 @@ from tests.e2e.gateway_pool import serving
 from tests.e2e.test_urgency import completed, create_batch, sdk, wait_done
 from tests.engine_helpers import random_prompts
 from tests.jobs_support import wait_for
+from tests.tiny_models import LONG_CONTEXT, build_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 QUEUE = "lat"
@@ -25,14 +26,19 @@ KEY_A, KEY_B = "sk-latency-a", "sk-latency-b"
 SLOTS = 4
 BUDGET = 512  # the worker's token budget
 TARGET_S = 0.0005
-WAVE_TOKENS = 400  # each of A's flood requests runs for this many steps
+# each of A's flood requests runs for this many steps. A sequence that ends within NEAR_END_S at the measured step
+# finishes rather than gives way: at 400, an AMD Zen 4's steps (the tiny model in fp32 on batcher's kernels) put the
+# whole wave that near its end, no victim was found and B waited for the first to end. At 1500 the first of A's
+# ended ~4 s after B's first token there; it holds while a step takes more than 0.17 ms.
+WAVE_TOKENS = 1500
 PROMPT = random_prompts(1, seed=34, min_len=6, max_len=6)[0]
 
 
 @pytest.fixture(scope="module")
-def pool(e2e_redis, tiny_model_dir, tmp_path_factory):
+def pool(e2e_redis, tmp_path_factory):
     """One worker with a step-time target and a gateway: (base url, metrics url)."""
-    with serving(e2e_redis, tiny_model_dir("llama"), tmp_path_factory.mktemp("lat"), QUEUE, MODEL, (KEY_A, KEY_B),
+    model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=LONG_CONTEXT)
+    with serving(e2e_redis, model_dir, tmp_path_factory.mktemp("lat"), QUEUE, MODEL, (KEY_A, KEY_B),
                  SLOTS, "--max-num-batched-tokens", str(BUDGET), "--step-time-target", str(TARGET_S)) as urls:
         yield urls
 

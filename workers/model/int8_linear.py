@@ -120,20 +120,36 @@ def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel reads and writes as they are
 
 
+def _on_native(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype in NATIVE_DTYPES:
+        return native.int8_linear(x, qweight, wscale, bias)
+    return native.int8_linear(x.float(), qweight, wscale, bias).to(x.dtype)
+
+
+@torch.library.custom_op("batcher::int8_linear", mutates_args=())
+def native_int8_op(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The native kernel as an op that a compiled forward calls as it is (the compiler cannot trace into it)."""
+    return _on_native(x, qweight, wscale, bias)
+
+
+@native_int8_op.register_fake
+def _(x, qweight, wscale, bias):
+    return x.new_empty(*x.shape[:-1], wscale.shape[0])
+
+
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
                 on_native: bool) -> torch.Tensor:
     """`y [..., N]` of `x [..., K]`, in x's dtype: on the native kernel where `on_native` (`native_int8`; `qweight`
     then in its layout, `native.int8_pack`), which takes x in any shape and float32 or bfloat16 x with no cast (a
-    decode step makes ~120 of these calls: a reshape and a view in Python cost ~14 us each call on a slow CPU);
-    else the reference in float32 (and always the reference in a compiled forward, which traces it)."""
-    if on_native and not torch.compiler.is_compiling():
-        if x.dtype in NATIVE_DTYPES:
-            return native.int8_linear(x, qweight, wscale, bias)
-        return native.int8_linear(x.float(), qweight, wscale, bias).to(x.dtype)
-    columns = wscale.shape[0]
-    plain = native.int8_unpack(qweight, columns, x.shape[-1]) if on_native else qweight
-    y = int8_linear_reference(x.reshape(-1, x.shape[-1]).float().contiguous(), plain, wscale, bias)
-    return y.to(x.dtype).view(*x.shape[:-1], columns)
+    decode step makes ~120 of these calls: a reshape and a view in Python cost ~14 us each call on a slow CPU), and
+    in a compiled forward through `native_int8_op`; else the reference in float32."""
+    if on_native:
+        if torch.compiler.is_compiling():
+            return native_int8_op(x, qweight, wscale, bias)
+        return _on_native(x, qweight, wscale, bias)  # the op's own dispatch costs for nothing here
+    y = int8_linear_reference(x.reshape(-1, x.shape[-1]).float().contiguous(), qweight, wscale, bias)
+    return y.to(x.dtype).view(*x.shape[:-1], wscale.shape[0])
 
 
 class Int8Linear(torch.nn.Module):
