@@ -276,13 +276,6 @@ def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(steps.view(torch.uint8), 0x80).view(tiles, INT8_TILE * width)
 
 
-def int8_unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """The int8 `[out_features, in_features]` matrix that `int8_pack` packed."""
-    tiles, width = packed.shape[0], packed.shape[1] // INT8_TILE
-    steps = torch.bitwise_xor(packed, 0x80).view(torch.int8).view(tiles, width // 4, INT8_TILE, 4)
-    return steps.transpose(1, 2).reshape(tiles * INT8_TILE, width)[:out_features, :in_features]
-
-
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor,
                 bias: torch.Tensor | None, isa: str = "") -> torch.Tensor:
     """`x @ W.T + bias` for fp32 or bf16 `x [..., K]` (any number of rows; the result in x's dtype) on W's int8

@@ -22,6 +22,13 @@ HAS_VNNI = {"avx512_vnni", "avx512vl", "avx512bw"} <= set(native.cpu_flags())
 VARIANTS = ["avx2", "avx512-vnni"] if HAS_VNNI else ["avx2"]
 
 
+def int8_unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The int8 `[out_features, in_features]` matrix that `native.int8_pack` packed (its layout read backwards)."""
+    tiles, width = packed.shape[0], packed.shape[1] // native.INT8_TILE
+    steps = torch.bitwise_xor(packed, 0x80).view(torch.int8).view(tiles, width // 4, native.INT8_TILE, 4)
+    return steps.transpose(1, 2).reshape(tiles * native.INT8_TILE, width)[:out_features, :in_features]
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract's weights: int8 [N, K] and fp32 [N], symmetric per output channel (a zero row: scale 0, q 0)."""
     amax = weight.abs().amax(-1, keepdim=True)
@@ -98,10 +105,10 @@ def test_packing_lays_16_outputs_side_by_side_and_unpacks_to_the_same_matrix(N, 
     packed = native.int8_pack(qweight)
     blocks = -(-K // BLOCK)
     assert packed.dtype == torch.uint8 and packed.shape == (-(-N // 16), 16 * BLOCK * blocks)
-    assert torch.equal(native.int8_unpack(packed, N, K), qweight)
+    assert torch.equal(int8_unpack(packed, N, K), qweight)
     n, k = N - 1, K - 1  # the last output's last value: tile n // 16, step k // 4, place n % 16 in it, byte k % 4
     assert packed[n // 16, (k // 4) * 64 + (n % 16) * 4 + k % 4].item() == qweight[n, k].item() + 128
-    whole = native.int8_unpack(packed, 16 * packed.shape[0], BLOCK * blocks)
+    whole = int8_unpack(packed, 16 * packed.shape[0], BLOCK * blocks)
     assert not whole[N:].any() and not whole[:, K:].any()  # zeros past N and past K
 
 

@@ -30,6 +30,7 @@ from rqbatcher.workers.model.int8_linear import (
     quantize_weight,
 )
 from tests.engine_helpers import engine_for, greedy, random_prompts, record_logits, run_all
+from tests.test_int8_kernel import int8_unpack
 from tests.tiny_models import build_tiny_model
 
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
@@ -108,7 +109,7 @@ def int8_weight(module: Int8Linear) -> torch.Tensor:
     """A layer's int8 [out, in] matrix, whatever the layout it keeps it in."""
     if not module.on_native:
         return module.qweight
-    return native.int8_unpack(module.qweight, module.out_features, module.in_features)
+    return int8_unpack(module.qweight, module.out_features, module.in_features)
 
 
 NATIVE = native_int8(torch.device("cpu"))
