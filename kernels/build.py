@@ -63,16 +63,14 @@ OPENMP = "-fopenmp"
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: `load(build)` runs in every kernel call
 class Build:
-    """One extension: its sources (headers included, for the digest), the CPU flags its instructions need, the
-    flags (a vendor among them) that together rule it out (a CPU where torch's kernels serve better), its compiler
-    flags, and the folder of its sources."""
+    """One extension: its sources (headers included, for the digest), the CPU flags its instructions need, its
+    compiler flags, and the folder of its sources."""
 
     label: str  # in the logs: "bf16 CPU kernels"
     name: str
     sources: tuple[str, ...]
     headers: tuple[str, ...]
     cpu_flags: tuple[str, ...]
-    excluded_by: tuple[str, ...]
     compile_flags: tuple[str, ...]
     csrc: Path = CSRC
 
@@ -80,20 +78,20 @@ class Build:
 BF16 = Build("bf16", "batcher_cpu_kernels",
              ("cpu_kernels.cpp", "amx_linear.cpp", "avx512_linear.cpp", "amx_prefill.cpp", "avx512_prefill.cpp",
               "layer_ops.cpp", "kv_write.cpp"),
-             ("common.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
-             ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (),
+             ("common.h", "amx.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
+             ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
               OPENMP, f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 FP32 = Build("fp32", "batcher_fp32_kernels",
              ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),
-             ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"), ("GenuineIntel", "avx512f"),
+             ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"),
              # no FMA contraction: the layer ops round each product as torch's ops do (the kernels' FMAs are
              # written out)
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
-# Linears on int8 weights (AVX2 integer dots, AVX-512 VNNI ones chosen at run time), on every AVX2 CPU: no exclusion.
-INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("avx2.h", "int8_tiles.h"), ("avx2", "fma"), (),
+# Linears on int8 weights (AVX2 integer dots; AVX-512 VNNI ones, and AMX-INT8 tile products, chosen at run time).
+INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("amx.h", "avx2.h", "int8_tiles.h"), ("avx2", "fma"),
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DINT8_BLOCK={INT8_BLOCK}",
               f"-DINT8_TILE={INT8_TILE}"))
 BUILDS = (BF16, FP32, INT8)  # every build: `main` (the image's build stage, setup.py) compiles them all

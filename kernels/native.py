@@ -13,17 +13,17 @@ the places of a bf16 step where torch's own kernels fall short:
 - a decoder layer's small ops (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`), one call each where
   transformers' modules make 3 to 27 torch ops (`rqbatcher.workers.model.fused_decoder`).
 On an AVX2 CPU (`FP32`), `fp32_linear` takes a fp32 decode step's linears (up to 32 rows), which torch's kernels
-read at well below the memory's pace there (on an AMD EPYC Zen 4 with AVX-512 too: 11 GB/s at one row against the
-kernel's 16); `paged_decode` and the layer ops but `silu_mul` run in fp32. An Intel CPU with AVX-512 keeps torch's
-kernels (MKL runs its AVX-512 paths there; not measured against this kernel). Either build writes a step's keys and
-values to the cache (`write_kv`), in any dtype.
+read at well below the memory's pace there (on CPUs with AVX-512 too: a lone fp32 step 0.61x on an AMD EPYC Zen 4,
+0.78x on an Intel Xeon with AMX); `paged_decode` and the layer ops but `silu_mul` run in fp32. Either build writes a
+step's keys and values to the cache (`write_kv`), in any dtype.
 
 The int8 build (`INT8`: AVX2 and FMA, so it loads on every AVX2 CPU, AVX-512 ones included, beside either build
 above) holds `int8_linear`: `x @ W.T + b` on weights of one byte (symmetric per output channel, `wscale`), x
 quantized per row in blocks of INT8_BLOCK (32) values with a scale each, integer dots per block (llama.cpp's Q8_0
-arithmetic on AVX2; one AVX-512 VNNI instruction per block's dot where the CPU has it, chosen at run time, with the
-same bits), for 8-bit models: a decode step streams a quarter of fp32's bytes. Any number of rows, each computed
-in one order whatever the rows beside it and the threads (batch invariant). The arithmetic is written in
+arithmetic on AVX2; one AVX-512 VNNI instruction per block's dot where the CPU has it, and from 16 rows AMX-INT8
+tile products where it has those, chosen at run time, with the same bits), for 8-bit models: a decode step streams
+a quarter of fp32's bytes. Any number of rows, each computed in one order whatever the rows beside it and the
+threads (batch invariant). The arithmetic is written in
 kernels/csrc/int8_linear.cpp's header; workers/model/int8_linear.py holds torch's reference of it.
 
 What each build is made of (sources, CPU flags, compile flags) is defined in `kernels.build`, and named here too.
@@ -89,31 +89,21 @@ class Unavailable(Exception):
     """Why a build cannot run here."""
 
 
-class NotWanted(Unavailable):
-    """Why a build is not used here: torch's kernels serve this CPU better (not worth a warning)."""
-
-
 @functools.cache
 def cpu_flags() -> set[str]:
-    """The CPU's flags and its vendor (`GenuineIntel`, `AuthenticAMD`), as /proc/cpuinfo names them."""
+    """The CPU's flags, as /proc/cpuinfo names them."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
-    first_cpu = text.partition("\n\n")[0]
-    fields = {key.strip(): value.split() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
-    return set(fields.get("flags", [])) | set(fields.get("vendor_id", []))
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def why_not_here(build: Build, flags: set[str]) -> Unavailable | None:
-    """Why `build` does not run on a CPU of `flags` (`cpu_flags`): a flag it lacks, or every flag of the build's
-    `excluded_by` present (a CPU where torch's kernels serve better); None where it runs."""
+    """Why `build` does not run on a CPU of `flags` (`cpu_flags`): the flags it lacks; None where it runs."""
     missing = [flag for flag in build.cpu_flags if flag not in flags]
-    if missing:
-        return Unavailable(f"this CPU lacks {', '.join(missing)}")
-    if build.excluded_by and all(flag in flags for flag in build.excluded_by):
-        return NotWanted(f"on this CPU ({', '.join(build.excluded_by)}) torch's kernels serve")
-    return None
+    return Unavailable(f"this CPU lacks {', '.join(missing)}") if missing else None
 
 
 def _load(build: Build):
@@ -133,8 +123,7 @@ def _status(build: Build):
     try:
         module = _load(build)
     except Unavailable as reason:
-        log.log(logging.INFO if isinstance(reason, NotWanted) else logging.WARNING,
-                "%s CPU kernels unavailable (%s): torch's kernels run instead", build.label, reason)
+        log.warning("%s CPU kernels unavailable (%s): torch's kernels run instead", build.label, reason)
         return None, str(reason)
     log.info("%s CPU kernels loaded%s from %s", build.label,
              " (with AMX)" if build is BF16 and module.amx_permitted() else "", module.__file__)
@@ -281,7 +270,7 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor,
     """`x @ W.T + bias` for fp32 or bf16 `x [..., K]` (any number of rows; the result in x's dtype) on W's int8
     values `packed` by `int8_pack` and its per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK
     values (kernels/csrc/int8_linear.cpp); the torch reference's bits; where `load(INT8)` is not None. `isa`: the
-    variant (`avx2`, `avx512-vnni`), by default this CPU's best (`load(INT8).isa`); every variant gives the same
+    variant (`avx2`, `avx512-vnni`, `amx-int8`), by default this CPU's best for the rows; every variant gives the same
     bits."""
     return load(INT8).int8_linear(x, packed, wscale, bias, isa)
 

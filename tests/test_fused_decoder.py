@@ -3,7 +3,7 @@ fp32.
 
 The layer ops must give transformers' own bits, and the fused forward the logits of transformers' forward on
 the same engine, step for step. Each dtype's tests run only on a CPU where its build runs (bf16: AVX-512 BF16;
-fp32: AVX2, but an Intel CPU with AVX-512); elsewhere they skip (and the fused forward is not used in that dtype),
+fp32: AVX2 and FMA); elsewhere they skip (and the fused forward is not used in that dtype),
 and a CPU that qualifies but fails to build the kernels fails here.
 """
 
@@ -30,7 +30,7 @@ def _build_runs_here(build: native.Build) -> bool:
 on_bf16 = pytest.mark.skipif(not _build_runs_here(native.BF16), reason="this CPU has no AVX-512 BF16")
 BF16 = pytest.param(torch.bfloat16, id="bf16", marks=on_bf16)
 FP32 = pytest.param(torch.float32, id="fp32", marks=pytest.mark.skipif(
-    not _build_runs_here(native.FP32), reason="the fp32 build runs on AVX2 CPUs but Intel's with AVX-512"))
+    not _build_runs_here(native.FP32), reason="the fp32 build needs AVX2 and FMA"))
 BOTH = [BF16, FP32]
 
 

@@ -79,12 +79,9 @@ for build in native.BUILDS:
     path = builds.find(build)
     if path is None:
         continue
-    if native.unavailable_reason(build) is None:  # this CPU runs it: native.load() serves it from `path`
-        module = native.load(build)
-    elif all(flag in native.cpu_flags() for flag in build.cpu_flags):  # one this CPU can run but does not pick
-        module = builds.import_library(build, path)  # as native.load() does
-    else:
+    if native.unavailable_reason(build) is not None:  # a build whose instructions this CPU lacks
         continue
+    module = native.load(build)  # served from `path`
     assert module.__file__ == str(path)
     x, weight = torch.randn(3, 64), torch.randn(64)
     if build is native.INT8:  # its one kernel, on an int8 weight of scale 1 (only x's quantization errs)

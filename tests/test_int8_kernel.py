@@ -5,7 +5,8 @@ step, and against the model's torch reference (workers/model/int8_linear.py), wh
 must not depend on the rows beside it, nor on the threads.
 
 It runs on every CPU with AVX2 and FMA (elsewhere these tests skip); a CPU that has them but fails to build it fails
-here. Where the CPU has AVX-512 VNNI, its variant runs by default and must give the AVX2 variant's bits.
+here. Where the CPU has AVX-512 VNNI, its variant runs by default and must give the AVX2 variant's bits; where it
+has AMX-INT8 too, the AMX variant runs from 16 rows and must give them as well.
 """
 
 import pytest
@@ -19,7 +20,8 @@ BLOCK = native.INT8_BLOCK
 pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.INT8.cpu_flags),
                                 reason="the int8 kernel needs AVX2 and FMA")
 HAS_VNNI = {"avx512_vnni", "avx512vl", "avx512bw"} <= set(native.cpu_flags())
-VARIANTS = ["avx2", "avx512-vnni"] if HAS_VNNI else ["avx2"]
+HAS_AMX_INT8 = HAS_VNNI and {"amx_tile", "amx_int8"} <= set(native.cpu_flags())
+VARIANTS = ["avx2", *(["avx512-vnni"] if HAS_VNNI else []), *(["amx-int8"] if HAS_AMX_INT8 else [])]
 
 
 def int8_unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -77,7 +79,7 @@ def check(x, qweight, wscale, bias, isa=""):
 def test_the_kernel_builds_on_a_cpu_it_serves():
     assert native.load(native.INT8) is not None, native.unavailable_reason(native.INT8)
     assert native.load(native.INT8).block == BLOCK and native.load(native.INT8).tile == native.INT8_TILE
-    assert native.load(native.INT8).isa == ("avx512-vnni" if HAS_VNNI else "avx2")
+    assert native.load(native.INT8).isa == VARIANTS[-1]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 33, 100])
@@ -123,12 +125,14 @@ def test_bf16_x_gives_the_float_results_rounded_to_bf16(isa):
         assert torch.equal(got, kernel(xb.float(), qweight, wscale, bias, isa).bfloat16()), (rows, K, N)
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
-def test_the_vnni_variant_gives_the_avx2_variants_bits():
-    for rows, K, N in ((1, 576, 37), (3, 100, 9), (7, 64, 12), (70, 300, 101), (130, 33, 5)):
+@pytest.mark.parametrize("isa", VARIANTS[1:])  # none (skipped) on an AVX2-only CPU
+def test_every_wider_variant_gives_the_avx2_variants_bits(isa):
+    """Rows in whole tiles of 16 and not, one block and many, K with a shorter last block, W's tiles with padding."""
+    for rows, K, N in ((1, 576, 37), (3, 100, 9), (7, 64, 12), (16, 32, 16), (17, 1536, 40), (70, 300, 101),
+                       (130, 33, 5)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K + N)
-        assert torch.equal(kernel(x, qweight, wscale, bias, "avx512-vnni"),
-                           kernel(x, qweight, wscale, bias, "avx2")), (rows, K, N)
+        for b in (bias, None):
+            assert torch.equal(kernel(x, qweight, wscale, b, isa), kernel(x, qweight, wscale, b, "avx2")), (rows, K, N)
 
 
 def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
@@ -177,7 +181,8 @@ def test_a_rows_bits_do_not_depend_on_its_batch():
     x, qweight, wscale, bias = operands(130, 200, 37, seed=11)
     alone = torch.cat([kernel(x[r:r + 1], qweight, wscale, bias) for r in range(len(x))])
     generator = torch.Generator().manual_seed(0)
-    for size in (*range(1, 17), 31, 32, 33, 63, 64, 65, 100, 130):  # tiles of 4, 2, 1, chunks of 64 rows
+    # tiles of 8, 4, 2, 1 rows, AMX's of 16 (from 16 rows where it runs), chunks of 64 rows
+    for size in (*range(1, 18), 31, 32, 33, 63, 64, 65, 100, 130):
         for _ in range(2):
             picked = torch.randperm(len(x), generator=generator)[:size]
             assert torch.equal(kernel(x[picked], qweight, wscale, bias), alone[picked]), size
@@ -217,3 +222,10 @@ def test_the_vnni_variant_is_refused_where_the_cpu_lacks_it():
     qweight, wscale = quantize_weight(torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="this CPU has no AVX-512 VNNI"):
         kernel(torch.randn(2, 8), qweight, wscale, None, "avx512-vnni")
+
+
+@pytest.mark.skipif(HAS_AMX_INT8, reason="this CPU has AMX-INT8")
+def test_the_amx_variant_is_refused_where_the_cpu_lacks_it():
+    qweight, wscale = quantize_weight(torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="this CPU has no AMX-INT8"):
+        kernel(torch.randn(2, 8), qweight, wscale, None, "amx-int8")

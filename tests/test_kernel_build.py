@@ -60,7 +60,7 @@ def tiny_build(folder: Path, version: int) -> native.Build:
     csrc.mkdir(parents=True, exist_ok=True)
     (csrc / "tiny.cpp").write_text(TINY_SOURCE)
     (csrc / "version.h").write_text(f"#define VERSION {version}\n")
-    return native.Build("tiny", "batcher_test_tiny", ("tiny.cpp",), ("version.h",), (), (), ("-O0",), csrc=csrc)
+    return native.Build("tiny", "batcher_test_tiny", ("tiny.cpp",), ("version.h",), (), ("-O0",), csrc=csrc)
 
 
 def version_of(build: native.Build, path: Path) -> int:
@@ -153,7 +153,7 @@ def hold_lock(build: native.Build, root: Path, then: str) -> subprocess.Popen:
         import os, signal, sys, time
         from pathlib import Path
         from rqbatcher.kernels import build as builds, native
-        tiny = native.Build("tiny", "batcher_test_tiny", ("tiny.cpp",), ("version.h",), (), (), ("-O0",),
+        tiny = native.Build("tiny", "batcher_test_tiny", ("tiny.cpp",), ("version.h",), (), ("-O0",),
                             csrc=Path({str(build.csrc)!r}))
         lock = builds.lock(tiny, Path({str(root)!r}))
         lock.acquire(5)

@@ -9,8 +9,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,18 +22,6 @@ constexpr int TILE_K = 32;         // bf16 values of K per tile row
 constexpr int TILE_N = 16;         // output columns per tile
 constexpr int MAX_ROWS = 2 * TILE_ROWS;  // rows of x per pass over a pair of column blocks
 constexpr int PREFETCH_BYTES = 4096;
-constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
-constexpr int XFEATURE_XTILEDATA = 18;
-
-}  // namespace
-
-// Linux lends a process AMX's tile state only once asked; oneDNN asks too, and asking again is harmless.
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return permitted;
-}
-
-namespace {
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -69,7 +55,7 @@ torch::Tensor amx_pack(torch::Tensor weight) {
 // results come from the same tile products at every row count, so they do not depend on the rows beside it
 // (batch invariance, docs/batch-invariance.md).
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
-  TORCH_CHECK(amx_permitted(), "the OS refused this process AMX's tile state");
+  TORCH_CHECK(batcher::amx_permitted(), "the OS refused this process AMX's tile state");
   batcher::check_bf16(x, "x");
   batcher::check_bf16(packed, "packed");
   const int64_t K = x.size(-1), blocks_k = packed.size(1), k_padded = blocks_k * TILE_K;

@@ -19,7 +19,7 @@ using namespace batcher::prefill;
 // covering ctx_start + n keys. Returns [n, H, D].
 torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                           int64_t ctx_start, int64_t block_size, double scale) {
-  TORCH_CHECK(amx_permitted(), "the OS refused this process AMX's tile state");
+  TORCH_CHECK(batcher::amx_permitted(), "the OS refused this process AMX's tile state");
   Chunk c = prepare_chunk("amx_prefill", query, k_cache, v_cache, block_table, ctx_start, block_size);
   const int64_t dim = c.dim, dim_blocks = dim / 32;  // dim_blocks <= 4: head_dim <= 128
   const float sc = static_cast<float>(scale);

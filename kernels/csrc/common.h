@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "amx.h"
 #include "row_cursor.h"
 
 namespace batcher {
@@ -99,5 +100,3 @@ inline void configure_tiles() {
 }
 
 }  // namespace batcher
-
-bool amx_permitted();  // amx_linear.cpp: whether the OS lends this process AMX's tile state

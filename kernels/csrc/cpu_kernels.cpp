@@ -286,7 +286,7 @@ void bind_kv_write(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "bf16 decode attention over the paged KV cache");
   m.def("small_linear", &small_linear, "bf16 x @ W.T + b for a few rows of x");
-  m.def("amx_permitted", &amx_permitted, "whether the OS lends this process AMX's tile state");
+  m.def("amx_permitted", &batcher::amx_permitted, "whether the OS lends this process AMX's tile state");
   m.def("amx_pack", &amx_pack, "a bf16 weight laid out in AMX tiles, for amx_linear");
   m.def("amx_linear", &amx_linear, "bf16 x @ W.T + b for up to 32 rows of x, on AMX");
   m.def("avx512_linear", &avx512_linear, "bf16 x @ W.T + b for up to 32 rows of x, on AVX-512 over amx_pack's layout");

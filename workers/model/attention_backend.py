@@ -3,7 +3,7 @@
 `torch` (kernels.attention) runs anywhere and is the reference. `triton` (kernels.triton_attention) is
 one launch per layer per step, for CUDA; on a CPU it runs only under the Triton interpreter, which is how
 the tests check it. `cpu` is `torch` with decodes on the decode kernel of `rqbatcher.kernels.native` (one call per layer
-reads every decode's keys from the paged cache: bf16 on AVX-512 BF16, fp32 on AVX2, but Intel's with AVX-512) and, in
+reads every decode's keys from the paged cache: bf16 on AVX-512 BF16, fp32 on AVX2) and, in
 bf16, prompt chunks on its prefill kernel (AMX where the CPU has it). `auto` takes triton on CUDA, cpu where
 its kernels serve the model, and torch elsewhere. FlashInfer or flash-attn could be further backends through
 their paged-KV APIs; none is offered yet.
