@@ -40,6 +40,7 @@ GGUF_CHOICES = (*GGUF_TYPES.values(), GGUF_INT8, *GGUF_QUANTIZED)  # what a peer
 STARTUP_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 3600
 CONTEXT_ROUNDING = 256  # each slot's context: the longest request, rounded up to this
+NO_REPACK = "--no-repack"  # llama-server's plain CPU kernels, where its repacked (AMX) ones crash (`start_server`)
 
 
 class SystemUnavailable(RuntimeError):
@@ -144,11 +145,34 @@ def _request(prompt: list[int], max_tokens: int, prefix_caching: bool) -> dict:
             "stream": True, "return_tokens": True, "cache_prompt": prefix_caching}
 
 
-def _wait_healthy(server: subprocess.Popen, port: int) -> None:
+def start_server(command: list[str], port: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """llama-server from `command`, healthy on `port` (its output in `log`), and a note where it runs without its
+    weight repacking: llama.cpp 0.3.36's AMX matmul (Q8_0 repacked for AMX-INT8) crashed at start-up on an Intel
+    Xeon with AMX, so a server killed by a signal at start-up is started once more with --no-repack (its plain CPU
+    kernels), which a user who met that crash would run."""
+    server = _start(command, log)
+    try:
+        _wait_healthy(server, port, log)
+        return server, ""
+    except RuntimeError:
+        if server.returncode is None or server.returncode >= 0:
+            raise
+        signal_number = -server.returncode
+    server = _start([*command, NO_REPACK], log)
+    _wait_healthy(server, port, log)
+    return server, (f"llama-server was killed by signal {signal_number} at start-up with its weight repacking, so "
+                    f"it runs with {NO_REPACK}")
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+
+
+def _wait_healthy(server: subprocess.Popen, port: int, log: Path) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            log = _root() / "llama-server.log"
             raise RuntimeError(f"llama-server exited with {server.returncode} at start-up ({log} says why)")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -169,23 +193,22 @@ def run_llama_server(workload: list[WorkloadRequest], vocab_size: int, model_dir
     longest = max(w.prompt_len + w.max_tokens for w in workload)
     per_slot = -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING
     port = free_port()
-    log = open(_root() / "llama-server.log", "w")  # noqa: SIM115 (closed with the server)
-    server = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                               "--parallel", str(config.max_num_seqs), "--threads", str(threads),
-                               "--threads-batch", str(threads), "--ctx-size", str(per_slot * config.max_num_seqs),
-                               "--batch-size", str(config.max_num_batched_tokens),
-                               "--ubatch-size", str(config.max_num_batched_tokens), "--no-webui",
-                               *([] if config.prefix_caching else ["--cache-ram", "0"])],
-                              stdout=log, stderr=subprocess.STDOUT)
+    server, note = start_server([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                 "--parallel", str(config.max_num_seqs), "--threads", str(threads),
+                                 "--threads-batch", str(threads), "--ctx-size", str(per_slot * config.max_num_seqs),
+                                 "--batch-size", str(config.max_num_batched_tokens),
+                                 "--ubatch-size", str(config.max_num_batched_tokens), "--no-webui",
+                                 *([] if config.prefix_caching else ["--cache-ram", "0"])],
+                                port, _root() / "llama-server.log")
     try:
-        _wait_healthy(server, port)
         _post(port, _request(WARMUP_REQUEST.prompt_token_ids, WARMUP_REQUEST.sampling.max_tokens, False),
               lambda ids: None)
-        return _drive(workload, vocab_size, port, config, name, server.pid, outtype)
+        run = _drive(workload, vocab_size, port, config, name, server.pid, outtype)
+        run.notes.extend([note] if note else [])
+        return run
     finally:
         server.terminate()
         server.wait(timeout=30)
-        log.close()
 
 
 def _drive(workload: list[WorkloadRequest], vocab_size: int, port: int, config: EngineConfig, name: str,

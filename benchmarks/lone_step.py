@@ -117,7 +117,7 @@ def main(model: str, threads: int, formats: str, tokens: int, rounds: int, batch
     read = max(read, read_bandwidth())
     int8 = native.load(native.INT8)
     print(f"{cpu_name()}, {threads} torch thread(s), {batch} stream(s), int8 kernel: "
-          f"{int8.isa if int8 else 'torch reference'}; memory read at {read / 1e9:.1f} GB/s")
+          f"{int8.isa(batch) if int8 else 'torch reference'}; memory read at {read / 1e9:.1f} GB/s")
     print("| format | decode step p50 ms | tok/s | step against the first | weight-read floor ms | step against its "
           "floor |\n|---|---:|---:|---:|---:|---:|")
     first = statistics.median(steps[next(iter(steps))])

@@ -173,21 +173,21 @@ def _kinds(s: Settings) -> list[str]:
 
 
 def bench_llama_server(s: Settings, directory: Path, build_jobs: int) -> dict:
-    from benchmarks.llama_server import _wait_healthy, gguf_checkpoint, server_binary
+    from benchmarks.llama_server import gguf_checkpoint, server_binary, start_server
 
     binary = server_binary(build_jobs)
     gguf = gguf_checkpoint(s.model_dir, gguf_name(s.__dict__), build_jobs)
     per_slot = -(-(s.prompt_tokens * 2 + s.output_tokens) // CONTEXT_ROUNDING) * CONTEXT_ROUNDING  # room to spare
     port = free_port()
-    with (directory / "llama-server.log").open("w") as log:
-        server = subprocess.Popen([str(binary), "-m", str(gguf), "--alias", SERVED, "--host", "127.0.0.1",
-                                   "--port", str(port), "--parallel", str(s.slots), "--threads", str(s.threads),
-                                   "--threads-batch", str(s.threads), "--ctx-size", str(per_slot * s.slots),
-                                   "--batch-size", str(s.budget), "--ubatch-size", str(s.budget), "--no-webui"],
-                                  stdout=log, stderr=subprocess.STDOUT)
+    server, note = start_server([str(binary), "-m", str(gguf), "--alias", SERVED, "--host", "127.0.0.1",
+                                 "--port", str(port), "--parallel", str(s.slots), "--threads", str(s.threads),
+                                 "--threads-batch", str(s.threads), "--ctx-size", str(per_slot * s.slots),
+                                 "--batch-size", str(s.budget), "--ubatch-size", str(s.budget), "--no-webui"],
+                                port, directory / "llama-server.log")
+    if note:
+        print(note, file=sys.stderr)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(server, port)
         warm(base, s)
         return {kind: run_guidellm(base, kind, s, directory, report.LLAMA) for kind in _kinds(s)}
     finally:

@@ -270,8 +270,8 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor,
     """`x @ W.T + bias` for fp32 or bf16 `x [..., K]` (any number of rows; the result in x's dtype) on W's int8
     values `packed` by `int8_pack` and its per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK
     values (kernels/csrc/int8_linear.cpp); the torch reference's bits; where `load(INT8)` is not None. `isa`: the
-    variant (`avx2`, `avx512-vnni`, `amx-int8`), by default this CPU's best for the rows; every variant gives the same
-    bits."""
+    variant (`avx2`, `avx512-vnni`, `amx-int8`), by default this CPU's best for the rows (`load(INT8).isa(rows)`);
+    every variant gives the same bits."""
     return load(INT8).int8_linear(x, packed, wscale, bias, isa)
 
 

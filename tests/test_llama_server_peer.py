@@ -104,3 +104,39 @@ def test_a_q4_k_m_peer_is_quantized_by_llama_quantize_from_the_f32_conversion(tm
     assert (q4.name, q4.read_text()) == ("smol-q4_k_m.gguf", "f32 -> Q4_K_M")
     assert (tmp_path / "smol-f32.gguf").read_text() == "f32" and built == [("llama-quantize", 2)]
     assert llama_server.gguf_checkpoint(model_dir, "q4_k_m") == q4 and len(built) == 1  # made once
+
+
+FAKE_SERVER = """
+import functools, http.server, os, signal, sys
+if sys.argv[3] == "crash" and "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)
+if sys.argv[3] == "exit":
+    sys.exit(3)
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[2])
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("behaviour", ["serve", "crash", "exit"])
+def test_a_server_killed_at_start_up_runs_again_without_repacking_and_says_so(tmp_path, behaviour):
+    """llama.cpp's AMX matmul crashed llama-server at start-up on an Intel Xeon with AMX (a signal): it runs once
+    more with --no-repack, and the run's notes say so. A server that exits with an error is not started again."""
+    from benchmarks.private_redis import free_port
+
+    (tmp_path / "health").write_text("ok")
+    script, port = tmp_path / "server.py", free_port()
+    script.write_text(FAKE_SERVER)
+    command = [sys.executable, str(script), str(port), str(tmp_path), behaviour]
+    if behaviour == "exit":
+        with pytest.raises(RuntimeError, match="exited with 3 at start-up"):
+            llama_server.start_server(command, port, tmp_path / "log")
+        return
+    server, note = llama_server.start_server(command, port, tmp_path / "log")
+    try:
+        assert (server.args[-1] == "--no-repack") == (behaviour == "crash")
+        assert note == ("" if behaviour == "serve" else
+                        "llama-server was killed by signal 11 at start-up with its weight repacking, so it runs "
+                        "with --no-repack")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

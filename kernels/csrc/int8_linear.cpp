@@ -290,8 +290,8 @@ namespace amx {
 constexpr int64_t W_BLOCK = TILE * BLOCK;  // bytes of one block of a packed tile
 
 // Tiles 0, 1: a block's sums (16 rows x 16 outputs, int32); 2, 3: x's 16 rows of that block (32 bytes each); 4, 5:
-// W's block (8 rows of 4 bytes x 16 outputs). Blocks alternate between the two sets, so one tile product runs while
-// the other's sums are scaled.
+// W's block (8 rows of 4 bytes x 16 outputs). Blocks alternate between the two sets, so the next block's product is
+// asked for before a block's sums are scaled.
 inline void configure() {
   struct {
     uint8_t palette = 1;
@@ -453,5 +453,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("isa") = "");
   m.attr("block") = BLOCK;
   m.attr("tile") = TILE;
-  m.attr("isa") = best_isa(AMX_MIN_ROWS);  // what runs by default (for a lone row, VNNI where AMX is named)
+  m.def("isa", &best_isa, "the variant that runs by default on this many rows of x", pybind11::arg("rows"));
 }
