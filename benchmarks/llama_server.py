@@ -145,43 +145,47 @@ def _request(prompt: list[int], max_tokens: int, prefix_caching: bool) -> dict:
             "stream": True, "return_tokens": True, "cache_prompt": prefix_caching}
 
 
+class StartupFailed(RuntimeError):
+    """llama-server exited before it became healthy, with `returncode` (negative: killed by that signal)."""
+
+    def __init__(self, returncode: int, log: Path) -> None:
+        super().__init__(f"llama-server exited with {returncode} at start-up ({log} says why)")
+        self.returncode = returncode
+
+
 def start_server(command: list[str], port: int, log: Path) -> tuple[subprocess.Popen, str]:
     """llama-server from `command`, healthy on `port` (its output in `log`), and a note where it runs without its
     weight repacking: llama.cpp 0.3.36's AMX matmul (Q8_0 repacked for AMX-INT8) crashed at start-up on an Intel
     Xeon with AMX, so a server killed by a signal at start-up is started once more with --no-repack (its plain CPU
     kernels), which a user who met that crash would run."""
-    server = _start(command, log)
     try:
-        _wait_healthy(server, port, log)
-        return server, ""
-    except RuntimeError:
-        if server.returncode is None or server.returncode >= 0:
+        return _start_healthy(command, port, log), ""
+    except StartupFailed as failure:
+        if failure.returncode >= 0:
             raise
-        signal_number = -server.returncode
-    server = _start([*command, NO_REPACK], log)
-    _wait_healthy(server, port, log)
-    return server, (f"llama-server was killed by signal {signal_number} at start-up with its weight repacking, so "
-                    f"it runs with {NO_REPACK}")
+        note = (f"llama-server was killed by signal {-failure.returncode} at start-up with its weight repacking, "
+                f"so it runs with {NO_REPACK}")
+    return _start_healthy([*command, NO_REPACK], port, log), note
 
 
-def _start(command: list[str], log: Path) -> subprocess.Popen:
+def _start_healthy(command: list[str], port: int, log: Path) -> subprocess.Popen:
+    """The server, once it answers /health; stopped again where it never does."""
     with log.open("w") as output:
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-
-
-def _wait_healthy(server: subprocess.Popen, port: int, log: Path) -> None:
+        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {server.returncode} at start-up ({log} says why)")
+            raise StartupFailed(server.returncode, log)
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
             if conn.getresponse().status == 200:
-                return
+                return server
         except OSError:
             pass
         time.sleep(0.2)
+    server.kill()
+    server.wait()
     raise RuntimeError(f"llama-server did not become healthy within {STARTUP_TIMEOUT_S} s")
 
 
