@@ -146,13 +146,13 @@ inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t* offset) {
   return amax / 127.0f;
 }
 
-// x's rows quantized, and zero rows (scale 0, offset 0) past them to a whole tile of AMX_ROWS, which AMX reads.
+// x's rows quantized, and zero rows (scale 0, offset 0) past them up to `padded` rows (AMX reads whole tiles of
+// AMX_ROWS; the other variants read only x's rows, and a decode step's few rows are not padded for nothing).
 template <typename T>
-Quantized quantize_rows(const T* x, int64_t rows, int64_t K) {
+Quantized quantize_rows(const T* x, int64_t rows, int64_t padded, int64_t K) {
   Quantized out;
   out.blocks = (K + BLOCK - 1) / BLOCK;
   out.stride = out.blocks * BLOCK;
-  const int64_t padded = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
   out.q.resize(padded * out.stride);
   out.scale.resize(padded * out.blocks);
   out.offset.resize(padded * out.blocks);
@@ -430,11 +430,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
   if (rows == 0 || N == 0) return y;
-  const Quantized quantized = bf16 ? quantize_rows(x2.data_ptr<c10::BFloat16>(), rows, K)
-                                   : quantize_rows(x2.data_ptr<float>(), rows, K);
+  const std::string run = isa.empty() ? best_isa(rows) : isa;
+  const int64_t padded = run == ISA_AMX ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
+  const Quantized quantized = bf16 ? quantize_rows(x2.data_ptr<c10::BFloat16>(), rows, padded, K)
+                                   : quantize_rows(x2.data_ptr<float>(), rows, padded, K);
   const Operands o{quantized, packed.data_ptr<uint8_t>(), TILE * stride, N, wscale.data_ptr<float>(), b,
                    bf16 ? nullptr : y.data_ptr<float>(), bf16 ? y.data_ptr<c10::BFloat16>() : nullptr};
-  const std::string run = isa.empty() ? best_isa(rows) : isa;
   if (run == ISA_AMX)
     amx::pass_over_w(o, rows);
   else if (run == ISA_VNNI)
