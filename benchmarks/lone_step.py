@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import statistics
 import time
 from unittest import mock
@@ -36,8 +35,15 @@ from rqbatcher.workers.bench.report import cpu_name
 from rqbatcher.workers.engine.engine import build_engine
 
 PROMPT = list(range(100, 132))  # 32 token ids: the step times past the prefill are what is measured
-LINEARS = ("int8_linear", "tile_linear", "small_linear", "fp32_linear")
-OTHER_KERNELS = ("paged_decode", "prefill", "rms_norm", "add_rms_norm", "rotary_", "silu_mul", "write_kv")
+# the extensions' own functions (the fused decoder calls some of them directly, not through `native`'s wrappers)
+LINEARS = ("int8_linear", "amx_linear", "avx512_linear", "small_linear", "fp32_linear")
+OTHER_KERNELS = ("paged_decode", "amx_prefill", "avx512_prefill", "rms_norm", "add_rms_norm", "rotary_", "silu_mul",
+                 "write_kv")
+
+
+def extensions() -> list:
+    """The native builds loaded here."""
+    return [module for module in map(native.load, (native.BF16, native.FP32, native.INT8)) if module is not None]
 
 
 class KernelClock:
@@ -52,8 +58,10 @@ class KernelClock:
     @contextlib.contextmanager
     def timing(self):
         with contextlib.ExitStack() as patches:
-            for name in LINEARS + OTHER_KERNELS:
-                patches.enter_context(mock.patch.object(native, name, self._timed(name, getattr(native, name))))
+            for module in extensions():
+                for name in LINEARS + OTHER_KERNELS:
+                    if hasattr(module, name):
+                        patches.enter_context(mock.patch.object(module, name, self._timed(name, getattr(module, name))))
             yield self
 
     def _timed(self, name: str, kernel):
@@ -68,7 +76,12 @@ class KernelClock:
 
 def int8_variant(isa: str):
     """Every int8 linear of the block runs kernel variant `isa` (this CPU's best where empty)."""
-    return mock.patch.object(native, "int8_linear", functools.partial(native.int8_linear, isa=isa))
+    kernels = native.load(native.INT8)
+    if not isa or kernels is None:
+        return contextlib.nullcontext()
+    run = kernels.int8_linear
+    return mock.patch.object(kernels, "int8_linear", lambda x, packed, wscale, bias, _isa="": run(x, packed, wscale,
+                                                                                                  bias, isa))
 
 
 def decode_steps(engine, tokens: int, batch: int, clock: KernelClock | None = None) -> list[float]:

@@ -298,7 +298,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetad
         return md.attend(q, k, v, layer_idx, scaling, sliding_window)
     n = md.num_tokens
     k_cache, v_cache = md.kv_caches[layer_idx]
-    write_kv(k[:n], v[:n], k_cache, v_cache, md.slot_mapping)
+    if n < k.shape[0]:  # padding rows (a compiled forward's): not slicing otherwise saves ~2 us a layer
+        k, v = k[:n], v[:n]
+    write_kv(k, v, k_cache, v_cache, md.slot_mapping)
     if n == q.shape[0] and not md.prefills and len(md.decode_groups) == 1:  # all decodes, one group: no copy
         return _decode_group(q, k_cache, v_cache, md.decode_groups[0], md.block_size, scaling, sliding_window)
     out = torch.zeros_like(q) if n < q.shape[0] else torch.empty_like(q)

@@ -247,8 +247,16 @@ def test_packed_parts_run_as_one_call_only_where_each_ends_on_a_whole_tile():
         modules = laid_end_to_end(sizes)
         joint = Int8JointLinear(modules)
         assert (joint.qweight is not None) == as_one
-        for got, module in zip(joint(x), modules, strict=True):
-            assert torch.equal(got, module(x))
+        for got, eager, module in zip(joint(x), joint.eager()(x), modules, strict=True):
+            assert torch.equal(got, module(x)) and torch.equal(eager, got)
+        for module in modules:  # the kernel bound to the weights, for the fused layers
+            assert torch.equal(module.eager()(x.bfloat16()), module(x.bfloat16()))
+
+
+def test_the_eager_call_of_a_layer_off_the_kernel_is_its_own_forward():
+    modules = [Int8Linear(*quantize_weight(randn(n, 40, seed=n)), None, on_native=False) for n in (16, 32)]
+    joint = Int8JointLinear(modules)
+    assert joint.eager() is joint and modules[0].eager() == modules[0].forward
 
 
 def test_an_engine_serves_on_int8_weights(tiny_model_dir):
@@ -297,9 +305,10 @@ def test_a_requests_int8_tokens_do_not_depend_on_what_runs_beside_it(invariance_
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_layers_run_on_the_int8_modules_with_transformers_logits(invariance_model, dtype):
-    """Where the fused forward serves (the layer kernels of `dtype` load), it calls the int8 modules, q/k/v and
-    gate/up as one int8 call each: every step's logits are the bits of transformers' forward on the same modules."""
+def test_the_fused_layers_run_on_the_int8_modules_with_transformers_logits(invariance_model, monkeypatch, dtype):
+    """Where the fused forward serves (the layer kernels of `dtype` load), it runs the int8 modules' weights, q/k/v
+    and gate/up as one int8 call each (on the native kernel, bound to the weights): every step's logits are the bits
+    of transformers' forward on the same modules."""
     knobs = dict(dtype=dtype, quantization="int8", block_size=4, max_num_seqs=4, max_num_batched_tokens=40)
     fused = engine_for(invariance_model, **knobs)
     if fused.runner.fused is None:
@@ -307,16 +316,24 @@ def test_the_fused_layers_run_on_the_int8_modules_with_transformers_logits(invar
                     f"{why_not(fused.runner.model, torch.device('cpu'), fused.runner.dtype)}")
     plain = engine_for(invariance_model, **knobs)
     plain.runner.fused = None
-    layer = fused.runner.fused.layers[0]
-    assert isinstance(layer.qkv_proj, Int8JointLinear) and isinstance(layer.down_proj.__self__, Int8Linear)
+    calls, kernels = [], native.load(native.INT8)
+    if kernels is not None:
+        kernel = kernels.int8_linear
+        monkeypatch.setattr(kernels, "int8_linear", lambda *args: calls.append(args[0].shape) or kernel(*args))
     fused_logits, plain_logits = record_logits(fused), record_logits(plain)
     for i, prompt in enumerate(random_prompts(6, seed=5, min_len=3, max_len=50)):
         fused.add(f"r{i}", greedy(prompt, MAX_TOKENS))
         plain.add(f"r{i}", greedy(prompt, MAX_TOKENS))
+    per_step = []
     while fused.has_work():
+        before = len(calls)
         fused.step()
+        per_step.append(len(calls) - before)
         plain.step()
     assert not plain.has_work() and len(fused_logits) == len(plain_logits) > MAX_TOKENS
+    if kernels is not None:  # 4 per layer, and the LM head where a row samples
+        layers = 4 * len(fused.runner.fused.layers)
+        assert set(per_step) <= {layers, layers + 1} and layers + 1 in per_step
     for step, (got, want) in enumerate(zip(fused_logits, plain_logits)):
         assert torch.equal(got, want), f"step {step}"
 

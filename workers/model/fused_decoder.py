@@ -10,8 +10,9 @@ linear and gate and up as another at a decode step's few rows (`JointLinear`), a
 of queries and keys, and in bf16 one for SiLU(gate) * up (fp32 keeps torch's SiLU, whose exp the kernels cannot
 match bit for bit). Those round wherever the modules' torch ops do, so the logits are the bits of transformers'
 forward (tests/test_fused_decoder.py checks every step of an engine, in both dtypes). With int8 weights
-(`rqbatcher.workers.model.int8_linear`) the linears are the `Int8Linear` modules, q/k/v and gate/up one int8 call
-each (`Int8JointLinear`): the same bits as the modules one by one.
+(`rqbatcher.workers.model.int8_linear`) the linears are the `Int8Linear` modules' weights on the native kernel,
+called bound to them (`Int8Linear.eager`), q/k/v and gate/up one int8 call each (`Int8JointLinear`): the same bits
+as the modules one by one.
 
 It serves the families whose decoder layer is Llama's (`FAMILIES`) with a SiLU MLP, in bf16 or fp32 on a CPU
 where the kernels of that dtype load (`rqbatcher.kernels.native.build_for`); any other model keeps transformers'
@@ -28,8 +29,7 @@ import torch
 
 from rqbatcher.kernels import native
 from rqbatcher.kernels.attention import AttentionMetadata, attend
-from rqbatcher.workers.model.int8_linear import Int8JointLinear, joint_linear
-from rqbatcher.workers.model.packed_linear import JointLinear
+from rqbatcher.workers.model.int8_linear import Int8JointLinear, Int8Linear, joint_linear
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,10 @@ class _Layer:
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     eps: float
-    qkv_proj: JointLinear | Int8JointLinear
-    # o_proj and down_proj are the modules' bound forwards: nn.Module's __call__ cost 2% of a lone step on an AMD
-    # EPYC Zen 1, for hooks that nothing sets on them
+    # the linears' calls (`_eager`)
+    qkv_proj: Callable[[torch.Tensor], list[torch.Tensor]]
     o_proj: Callable[[torch.Tensor], torch.Tensor]
-    gate_up_proj: JointLinear | Int8JointLinear
+    gate_up_proj: Callable[[torch.Tensor], list[torch.Tensor]]
     down_proj: Callable[[torch.Tensor], torch.Tensor]
     heads: int
     kv_heads: int
@@ -127,11 +126,20 @@ def _layer(layer: torch.nn.Module, config, sliding_window: Callable[[torch.nn.Mo
     return _Layer(
         index=attention.layer_idx, input_norm=layer.input_layernorm.weight,
         post_attention_norm=layer.post_attention_layernorm.weight, eps=layer.input_layernorm.variance_epsilon,
-        qkv_proj=joint_linear([attention.q_proj, attention.k_proj, attention.v_proj]),
-        o_proj=attention.o_proj.forward, gate_up_proj=joint_linear([mlp.gate_proj, mlp.up_proj]),
-        down_proj=mlp.down_proj.forward,
+        qkv_proj=_eager(joint_linear([attention.q_proj, attention.k_proj, attention.v_proj])),
+        o_proj=_eager(attention.o_proj), gate_up_proj=_eager(joint_linear([mlp.gate_proj, mlp.up_proj])),
+        down_proj=_eager(mlp.down_proj),
         heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attention.head_dim,
         scaling=attention.scaling, sliding_window=sliding_window(attention))
+
+
+def _eager(linear: Callable) -> Callable:
+    """The call the layer loop makes to a linear (or a joint one): an int8 one's native kernel bound to its weights
+    (`Int8Linear.eager`: ~2.5 us less per call), else a module's bound forward (nn.Module's __call__ cost 2% of a
+    lone step on an AMD EPYC Zen 1, for hooks that nothing sets on them), else the joint linear itself."""
+    if isinstance(linear, (Int8Linear, Int8JointLinear)):
+        return linear.eager()
+    return linear.forward if isinstance(linear, torch.nn.Module) else linear
 
 
 def why_not(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
