@@ -51,9 +51,12 @@ torch::Tensor amx_pack(torch::Tensor weight) {
 }
 
 // x [..., K] bf16, any number of rows; packed from amx_pack of a weight [N, K]; bias [N] or None. Rows go 32 at a
-// time (two tiles) through each pair of column blocks, which stays in the CPU's cache for the later ones. A row's
-// results come from the same tile products at every row count, so they do not depend on the rows beside it
-// (batch invariance, docs/batch-invariance.md).
+// time (two tiles) through each pair of column blocks, which stays in the CPU's cache for the later ones; a last
+// group of fewer rows runs on tiles of that many rows. x is read where it lies when K is whole tiles of K (32
+// values), else from a copy padded with zeros to them: a lone decode row's call then neither allocates nor copies
+// (3.8 us a call on a 16x32 weight against 0.9 for avx512_linear, on an Intel Xeon with AMX, before). A row's
+// results come from the same tile products at every row count (a product's rows are computed apart), so they do
+// not depend on the rows beside it (batch invariance, docs/batch-invariance.md).
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(batcher::amx_permitted(), "the OS refused this process AMX's tile state");
   batcher::check_bf16(x, "x");
@@ -64,9 +67,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const int64_t rows = x2.size(0);
   auto y = batcher::linear_output(x, N);
   if (rows == 0) return y;
-  // x, zero-padded to whole tiles of rows and of K.
-  auto x_tiles = torch::zeros({round_up(rows, TILE_ROWS), k_padded}, x.options());
-  x_tiles.narrow(0, 0, rows).narrow(1, 0, K).copy_(x2);
+  torch::Tensor x_tiles = x2.contiguous();
+  if (K != k_padded) {
+    x_tiles = torch::zeros({rows, k_padded}, x.options());
+    x_tiles.narrow(1, 0, K).copy_(x2);
+  }
   const auto bias_c = batcher::contiguous_bias(bias);
   const uint16_t* b = batcher::bias_data(bias_c);
   uint16_t* yp = batcher::bf16_data(y);
@@ -78,7 +83,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
     // Tiles 0-3: results (rows 0-15 and 16-31 of the 32 at hand, of two blocks of 16 columns); 4, 5: x (those
     // rows 0-15, 16-31); 6, 7: the two blocks' weight tiles. Two blocks at a time keep four independent tile
     // products (and two streams of weights) in flight.
-    batcher::configure_tiles();
+    int64_t configured = 0;  // rows of the group the tiles are configured for
     alignas(64) float out[2][MAX_ROWS][TILE_N];
     for (int64_t pair = begin; pair < end; pair++) {
       const int64_t nb = 2 * pair;
@@ -88,6 +93,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
       for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int64_t count = std::min<int64_t>(MAX_ROWS, rows - r0);
         const bool two_tiles = count > TILE_ROWS;
+        if (count != configured) {
+          batcher::configure_tiles(static_cast<uint8_t>(std::min<int64_t>(count, TILE_ROWS)),
+                                   static_cast<uint8_t>(two_tiles ? count - TILE_ROWS : TILE_ROWS));
+          configured = count;
+        }
         const uint16_t* xr = xt + r0 * k_padded;
         _tile_zero(0);
         _tile_zero(1);

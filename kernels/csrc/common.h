@@ -87,8 +87,10 @@ inline void transpose16(const __m512i in[16], __m512i out[16]) {
   }
 }
 
-// Every AMX kernel here uses 8 tiles of 16 rows of 64 bytes (16 fp32, or 32 bf16 as 16 pairs).
-inline void configure_tiles() {
+// Every AMX kernel here uses 8 tiles of 64 bytes a row (16 fp32, or 32 bf16 as 16 pairs), of 16 rows; or, for a
+// caller with fewer rows of x, tiles 0, 1 and 4 of `rows_a` rows and 2, 3 and 5 of `rows_b` (amx_linear's results
+// and rows of x).
+inline void configure_tiles(uint8_t rows_a = 16, uint8_t rows_b = 16) {
   struct {
     uint8_t palette = 1;
     uint8_t start_row = 0;
@@ -96,6 +98,8 @@ inline void configure_tiles() {
     uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
     uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
   } config;
+  config.rows[0] = config.rows[1] = config.rows[4] = rows_a;
+  config.rows[2] = config.rows[3] = config.rows[5] = rows_b;
   _tile_loadconfig(&config);
 }
 
