@@ -20,7 +20,7 @@ step's keys and values to the cache (`write_kv`), in any dtype.
 The int8 build (`INT8`: AVX2 and FMA, so it loads on every AVX2 CPU, AVX-512 ones included, beside either build
 above) holds `int8_linear`: `x @ W.T + b` on weights of one byte (symmetric per output channel, `wscale`), x
 quantized per row in blocks of INT8_BLOCK (32) values with a scale each, integer dots per block (llama.cpp's Q8_0
-arithmetic on AVX2; one AVX-512 VNNI instruction per block's dot where the CPU has it, and from 16 rows AMX-INT8
+arithmetic on AVX2; one AVX-512 VNNI instruction per block's dot where the CPU has it, and from 10 rows AMX-INT8
 tile products where it has those, chosen at run time, with the same bits), for 8-bit models: a decode step streams
 a quarter of fp32's bytes. Any number of rows, each computed in one order whatever the rows beside it and the
 threads (batch invariant). The arithmetic is written in

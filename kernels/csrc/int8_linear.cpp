@@ -45,7 +45,7 @@
 // takes 0.82-0.93x the time of the same on 256-bit vectors 4 rows at a time from 8 rows on, and 0.36-0.79x that of
 // torch's bf16 linear (oneDNN's AVX512-BF16) at 8-512 rows; the AVX2 variant 1.1-1.75x the unpacked layout's kernel.
 // At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX, the AMX variant takes
-// 0.7-0.85x the VNNI variant's time from 16 rows (1.3-1.6x below 16, where VNNI runs by default). Its products are
+// 0.7-0.85x the VNNI variant's time from 16 rows, about the same at 8 (AMX_MIN_ROWS). Its products are
 // cheap; each block's sums must leave the tile (a store) and be scaled in float (4 vector operations per row), and
 // no vector work overlapped the tile loads and stores in a microbenchmark there (one block of 16 rows: tiles ~10 ns,
 // scaling ~17 ns, both ~27 ns), so oneDNN's AMX-BF16 linear, which keeps its sums in the tile across K, stays
@@ -79,7 +79,9 @@ constexpr int64_t PREFETCH = 8192;  // bytes of W ahead that a tile's first pass
 constexpr int64_t GRAIN = 96;       // outputs per task where torch runs several threads
 constexpr int64_t QUANT_GRAIN = 16; // rows of x per quantizing task
 constexpr int AMX_ROWS = 16;        // rows of x per AMX tile product
-constexpr int64_t AMX_MIN_ROWS = 16;  // rows from which AMX runs by default (below, VNNI's dots)
+// Rows from which AMX runs by default (below, VNNI's dots): on an Intel Xeon with AMX, on tiles of x's rows, AMX
+// took 0.9x VNNI's time at 10 rows over SmolLM2's three shapes, about the same at 8, 1.04-1.3x at 1-4.
+constexpr int64_t AMX_MIN_ROWS = 10;
 
 // x's rows, quantized: `stride` (whole blocks) int8 values per row, zeros past K; per block a scale, and -128 times
 // the block's sum of values (what VNNI's sums start from).
@@ -146,16 +148,15 @@ inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t* offset) {
   return amax / 127.0f;
 }
 
-// x's rows quantized, and zero rows (scale 0, offset 0) past them up to `padded` rows (AMX reads whole tiles of
-// AMX_ROWS; the other variants read only x's rows, and a decode step's few rows are not padded for nothing).
+// x's rows quantized.
 template <typename T>
-Quantized quantize_rows(const T* x, int64_t rows, int64_t padded, int64_t K) {
+Quantized quantize_rows(const T* x, int64_t rows, int64_t K) {
   Quantized out;
   out.blocks = (K + BLOCK - 1) / BLOCK;
   out.stride = out.blocks * BLOCK;
-  out.q.resize(padded * out.stride);
-  out.scale.resize(padded * out.blocks);
-  out.offset.resize(padded * out.blocks);
+  out.q.resize(rows * out.stride);
+  out.scale.resize(rows * out.blocks);
+  out.offset.resize(rows * out.blocks);
   at::parallel_for(0, rows, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++)
       for (int64_t b = 0; b < out.blocks; b++)
@@ -289,17 +290,19 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 namespace amx {
 constexpr int64_t W_BLOCK = TILE * BLOCK;  // bytes of one block of a packed tile
 
-// Tiles 0, 1: a block's sums (16 rows x 16 outputs, int32); 2, 3: x's 16 rows of that block (32 bytes each); 4, 5:
-// W's block (8 rows of 4 bytes x 16 outputs). Blocks alternate between the two sets, so the next block's product is
-// asked for before a block's sums are scaled.
-inline void configure() {
+// Tiles 0, 1: a block's sums (`rows` rows of x, up to 16, x 16 outputs, int32); 2, 3: x's rows of that block (32
+// bytes each); 4, 5: W's block (8 rows of 4 bytes x 16 outputs). Blocks alternate between the two sets, so the next
+// block's product is asked for before a block's sums are scaled. A group of fewer rows runs on tiles of that many:
+// a product's rows are computed apart, and its sums are exact, so a row's bits do not depend on the group.
+inline void configure(int64_t rows) {
   struct {
     uint8_t palette = 1;
     uint8_t start_row = 0;
     uint8_t reserved[14] = {};
     uint16_t colsb[16] = {64, 64, BLOCK, BLOCK, 64, 64};
-    uint8_t rows[16] = {AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, BLOCK / 4, BLOCK / 4};
+    uint8_t rows[16] = {0, 0, 0, 0, BLOCK / 4, BLOCK / 4};
   } config;
+  for (int tile = 0; tile < 4; tile++) config.rows[tile] = static_cast<uint8_t>(rows);
   _tile_loadconfig(&config);
 }
 
@@ -322,21 +325,23 @@ inline void start_block(const Operands& o, int64_t row, int64_t t, int64_t b) {
 }
 
 // The block's sums, plus the offsets that take back the 128 each packed byte carries, added to acc as VNNI adds them.
-template <int SET>
-inline void add_block(const Operands& o, int64_t row, int64_t b, __m512* acc) {
+// FULL: a group of AMX_ROWS rows, whose loop the compiler unrolls to keep acc in registers (else count rows).
+template <int SET, bool FULL>
+inline void add_block(const Operands& o, int64_t row, int64_t count, int64_t b, __m512* acc) {
   alignas(64) int32_t sums[AMX_ROWS][TILE];
   if constexpr (SET == 0)
     _tile_stored(0, sums, 64);
   else
     _tile_stored(1, sums, 64);
-  for (int r = 0; r < AMX_ROWS; r++) {
+  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) {
     const int64_t at = (row + r) * o.x.blocks + b;
     const __m512i exact = _mm512_add_epi32(_mm512_set1_epi32(o.x.offset[at]), _mm512_load_si512(sums[r]));
     acc[r] = vnni::add_block(acc[r], exact, o.x.scale[at]);
   }
 }
 
-// y for x's rows [row, row + count) (count <= 16; the scratch holds zero rows past them) and W's tile t.
+// y for x's rows [row, row + count) (count <= 16: the tiles are configured for it) and W's tile t.
+template <bool FULL>
 inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t) {
   __m512 acc[AMX_ROWS];
   for (auto& a : acc) a = _mm512_setzero_ps();
@@ -344,24 +349,31 @@ inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t) {
   start_block<0>(o, row, t, 0);
   for (int64_t b = 0; b < blocks; b += 2) {
     if (b + 1 < blocks) start_block<1>(o, row, t, b + 1);
-    add_block<0>(o, row, b, acc);
+    add_block<0, FULL>(o, row, count, b, acc);
     if (b + 1 < blocks) {
       if (b + 2 < blocks) start_block<0>(o, row, t, b + 2);
-      add_block<1>(o, row, b + 1, acc);
+      add_block<1, FULL>(o, row, count, b + 1, acc);
     }
   }
   for (int64_t r = 0; r < count; r++) vnni::finish<1>(o, row + r, TILE * t, &acc[r]);
 }
 
-// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time, 16 per tile product.
+// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time, 16 per tile product (a
+// last group of fewer on tiles of that many rows).
 inline void pass_over_w(const Operands& o, int64_t rows) {
   at::parallel_for(0, (o.N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / TILE), [&](int64_t begin, int64_t end) {
-    configure();
+    int64_t configured = 0;  // rows the tiles are configured for
     for (int64_t first = 0; first < rows; first += ROW_CHUNK) {
       const int64_t last = std::min(rows, first + ROW_CHUNK);
       for (int64_t t = begin; t < end; t++)
-        for (int64_t row = first; row < last; row += AMX_ROWS)
-          dot_tile(o, row, std::min<int64_t>(AMX_ROWS, last - row), t);
+        for (int64_t row = first; row < last; row += AMX_ROWS) {
+          const int64_t count = std::min<int64_t>(AMX_ROWS, last - row);
+          if (count != configured) configure(configured = count);
+          if (count == AMX_ROWS)
+            dot_tile<true>(o, row, count, t);
+          else
+            dot_tile<false>(o, row, count, t);
+        }
     }
     _tile_release();
   });
@@ -431,9 +443,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
   auto y = torch::empty(sizes, x.options());
   if (rows == 0 || N == 0) return y;
   const std::string run = isa.empty() ? best_isa(rows) : isa;
-  const int64_t padded = run == ISA_AMX ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
-  const Quantized quantized = bf16 ? quantize_rows(x2.data_ptr<c10::BFloat16>(), rows, padded, K)
-                                   : quantize_rows(x2.data_ptr<float>(), rows, padded, K);
+  const Quantized quantized = bf16 ? quantize_rows(x2.data_ptr<c10::BFloat16>(), rows, K)
+                                   : quantize_rows(x2.data_ptr<float>(), rows, K);
   const Operands o{quantized, packed.data_ptr<uint8_t>(), TILE * stride, N, wscale.data_ptr<float>(), b,
                    bf16 ? nullptr : y.data_ptr<float>(), bf16 ? y.data_ptr<c10::BFloat16>() : nullptr};
   if (run == ISA_AMX)
