@@ -58,6 +58,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -194,8 +195,19 @@ def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     """`x @ weight.T + bias`, `packed` from `tile_pack(weight)`: on AMX where it runs (`amx_linear`), else on
     AVX-512 BF16 (`avx512_linear`, 1.04-1.45x oneDNN's packed kernels at 2-32 rows on an AMD EPYC Zen 5). Any
     number of rows, each summed in one order whatever the rows beside it (batch invariance)."""
-    kernel = load().amx_linear if has_amx() else load().avx512_linear
-    return kernel(x, packed, bias, out_features)
+    return getattr(load(), _tile_kernel())(x, packed, bias, out_features)
+
+
+def tile_linear_on(packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`tile_linear` bound to one weight, its kernel chosen once: for an eager caller of many calls a step (the
+    fused decoder). The kernel is looked up at each call, so a benchmark may wrap it."""
+    kernels, name = load(), _tile_kernel()
+    return lambda x: getattr(kernels, name)(x, packed, bias, out_features)
+
+
+def _tile_kernel() -> str:
+    return "amx_linear" if has_amx() else "avx512_linear"
 
 
 def prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

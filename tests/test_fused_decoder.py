@@ -15,7 +15,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from rqbatcher.kernels import native
 from rqbatcher.workers.model.fused_decoder import FusedDecoder, why_not
-from rqbatcher.workers.model.packed_linear import JointLinear, pack_linears, route_fp32_linears
+from rqbatcher.workers.model.packed_linear import JointLinear, PackedLinear, pack_linears, route_fp32_linears
 from tests.engine_helpers import engine_for, greedy, random_prompts, record_logits, run_all
 from tests.tiny_models import build_tiny_model
 
@@ -39,10 +39,10 @@ def tensor(dtype, *shape, scale=1.0, seed=0):
     return (torch.randn(*shape, generator=generator) * scale).to(dtype)
 
 
-def fast_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def fast_linears(model: torch.nn.Module, dtype: torch.dtype, batch_invariant: bool = False) -> None:
     """What the runner does to a model's linears in `dtype` on a CPU whose kernels load."""
     if dtype == torch.bfloat16:
-        pack_linears(model, few_rows_native=True)
+        pack_linears(model, few_rows_native=True, batch_invariant=batch_invariant)
     else:
         route_fp32_linears(model)
 
@@ -138,13 +138,15 @@ def test_write_kv_fills_the_slots_and_refuses_what_it_cannot_write(dtype):
 
 @pytest.mark.parametrize("dtype", BOTH)
 @pytest.mark.parametrize("rows", [1, 3, 17, 32, 40])
-def test_joint_linear_views_the_weights_and_gives_each_modules_output(tiny_model_dir, rows, dtype):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_joint_linear_views_the_weights_and_gives_each_modules_output(tiny_model_dir, rows, dtype, batch_invariant):
     """q, k and v (Qwen2's: with biases) as one matrix: the weights laid end to end, no copy. Few rows take one
-    kernel call, more rows each module; either way the outputs are the modules' own."""
+    kernel call, more rows each module; either way the outputs are the modules' own, and so are the calls the fused
+    layers make (`eager`: batch invariant, the tile kernel bound to the weights)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=dtype).eval()
-    fast_linears(model, dtype)
+    fast_linears(model, dtype, batch_invariant)
     attention = model.model.layers[0].self_attn
     modules = [attention.q_proj, attention.k_proj, attention.v_proj]
     joint = JointLinear(modules)
@@ -152,8 +154,11 @@ def test_joint_linear_views_the_weights_and_gives_each_modules_output(tiny_model
     assert joint.weight.shape == (sum(m.out_features for m in modules), attention.q_proj.in_features)
     x = tensor(dtype, rows, attention.q_proj.in_features, seed=rows)
     with torch.inference_mode():
-        for got, module in zip(joint(x), modules, strict=True):
-            assert torch.equal(got, module(x))
+        assert (joint.eager() is not joint) == (dtype == torch.bfloat16 and batch_invariant)
+        for got, eager, module in zip(joint(x), joint.eager()(x), modules, strict=True):
+            assert torch.equal(got, module(x)) and torch.equal(eager, got)
+            if isinstance(module, PackedLinear):
+                assert torch.equal(module.eager()(x), got)
 
 
 @pytest.mark.parametrize("dtype", BOTH)

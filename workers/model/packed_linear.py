@@ -31,6 +31,8 @@ above.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rqbatcher.kernels import native
@@ -89,6 +91,14 @@ class PackedLinear(torch.nn.Linear):
             return packed_linear(x, *weights)
         return _multiply(x, *weights)  # the op's own dispatch costs for nothing here
 
+    def eager(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` for an eager caller (the fused decoder): batch invariant, where every row count takes
+        `tile_linear`, that kernel bound to this layer's tile copy (`native.tile_linear_on`: the module's way to it
+        cost ~3 us a call, ~120 calls a lone step); else `forward`, which picks a kernel by the rows."""
+        if self.packed_weight is not None or self.tile_weight is None:
+            return self.forward
+        return native.tile_linear_on(self.tile_weight, self.bias, self.out_features)
+
 
 def pack_linears(model: torch.nn.Module, few_rows_native: bool = False, batch_invariant: bool = False) -> int:
     """Pack the weight of every `nn.Linear` in `model`, in place; returns how many were packed. With
@@ -135,6 +145,14 @@ class JointLinear:
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else module.weight.new_zeros(module.out_features)
              for b, module in zip(biases, modules)])
+
+    def eager(self) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+        """`__call__` for an eager caller (`PackedLinear.eager`): batch invariant, the joint tile copy's kernel bound
+        to it; else this object."""
+        if self.tile_weight is None or not self.batch_invariant:
+            return self
+        kernel, sizes = native.tile_linear_on(self.tile_weight, self.bias, sum(self.sizes)), self.sizes
+        return lambda x: kernel(x).split_with_sizes(sizes, -1)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.numel() // x.shape[-1]
