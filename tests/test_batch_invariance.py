@@ -20,7 +20,7 @@ needs_bf16_kernels = pytest.mark.skipif(NO_BF16_KERNELS, reason="this CPU has no
                                         "kernels do not run, and bf16 is not batch invariant here")
 
 
-def tile_linear_on(isa):
+def tile_linear_kernel(isa):
     """`tile_linear` on `isa` ("amx" or "avx512"), skipping where this CPU cannot run it."""
     if isa == "amx" and not native.cpu_has_amx():
         pytest.skip("this CPU has no AMX")
@@ -33,7 +33,7 @@ def tile_linear_on(isa):
 def test_a_linear_row_is_the_same_bits_at_any_row_count(isa, features):
     """One row alone, among a decode step's few, in passes of 12 (avx512) or 32 (amx; a last pass of fewer rows
     on tiles of that many), and among a prefill's hundreds; N not a whole number of column blocks."""
-    linear = tile_linear_on(isa)
+    linear = tile_linear_kernel(isa)
     generator = torch.Generator().manual_seed(0)
     out_features = 200
     weight = (torch.randn(out_features, features, generator=generator) / features**0.5).to(torch.bfloat16)

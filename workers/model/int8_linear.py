@@ -154,16 +154,6 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, bi
     return y.to(x.dtype).view(*x.shape[:-1], wscale.shape[0])
 
 
-def bound_kernel(qweight: torch.Tensor, wscale: torch.Tensor,
-                 bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The native kernel on these tensors, for bf16 or fp32 x in eager mode. A lone decode step makes ~120 linear
-    calls: a module's way to the kernel (nn.Module's buffer lookups, the compile and dtype checks, two wrappers)
-    cost ~2.5 us per call against the kernel's own ~1.2 us (Intel Xeon, a 16x32 weight); bound, a lone int8 step
-    took 0.94-0.96x its time. The kernel is looked up at each call, so a benchmark may wrap it."""
-    kernels = native.load(native.INT8)
-    return lambda x: kernels.int8_linear(x, qweight, wscale, bias, "")
-
-
 class Int8Linear(torch.nn.Module):
     """A linear layer on int8 weights: `qweight` (int8 [out, in], or where the native kernel runs the same packed in
     its layout), `wscale` float32 [out] and `bias` float32 [out] (or None), as buffers; no float weight. Its input
@@ -190,8 +180,8 @@ class Int8Linear(torch.nn.Module):
 
     def eager(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` for an eager caller whose x is bf16 or fp32 (the fused decoder): the native kernel bound to
-        this layer's tensors, where it runs (`bound_kernel`)."""
-        return bound_kernel(self.qweight, self.wscale, self.bias) if self.on_native else self.forward
+        this layer's tensors, where it runs (`native.int8_linear_on`)."""
+        return native.int8_linear_on(self.qweight, self.wscale, self.bias) if self.on_native else self.forward
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -284,7 +274,7 @@ class Int8JointLinear:
         """`__call__` for an eager caller whose x is bf16 or fp32 (`Int8Linear.eager`)."""
         if self.qweight is None or not self.on_native:
             return self
-        kernel, sizes = bound_kernel(self.qweight, self.wscale, self.bias), self.sizes
+        kernel, sizes = native.int8_linear_on(self.qweight, self.wscale, self.bias), self.sizes
         return lambda x: kernel(x).split_with_sizes(sizes, -1)
 
 
