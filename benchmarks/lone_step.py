@@ -43,7 +43,7 @@ OTHER_KERNELS = ("paged_decode", "amx_prefill", "avx512_prefill", "rms_norm", "a
 
 def extensions() -> list:
     """The native builds loaded here."""
-    return [module for module in map(native.load, (native.BF16, native.FP32, native.INT8)) if module is not None]
+    return [module for module in map(native.load, native.BUILDS) if module is not None]
 
 
 class KernelClock:

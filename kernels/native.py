@@ -265,6 +265,13 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return load(FP32).fp32_linear(x, weight, bias)
 
 
+def fp32_linear_on(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`fp32_linear` bound to one weight, for an eager caller of many calls a step (the fused decoder; as
+    `tile_linear_on`)."""
+    kernels = load(FP32)
+    return lambda x: kernels.fp32_linear(x, weight, bias)
+
+
 def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
     """`qweight` int8 `[N, K]` laid out as `int8_linear` reads it, front to back (kernels/csrc/int8_linear.cpp):
     uint8 `[ceil(N / 16), 16 * K']` with K' = K rounded up to whole INT8_BLOCKs, zeros past N and K; in each tile of

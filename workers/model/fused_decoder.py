@@ -29,8 +29,7 @@ import torch
 
 from rqbatcher.kernels import native
 from rqbatcher.kernels.attention import AttentionMetadata, attend
-from rqbatcher.workers.model.int8_linear import Int8JointLinear, Int8Linear, joint_linear
-from rqbatcher.workers.model.packed_linear import FewRowsLinear, JointLinear, PackedLinear
+from rqbatcher.workers.model.int8_linear import joint_linear
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +135,12 @@ def _layer(layer: torch.nn.Module, config, sliding_window: Callable[[torch.nn.Mo
 
 def _eager(linear: Callable) -> Callable:
     """The call the layer loop makes to a linear (or a joint one): its `eager` call where it has one (its kernel
-    bound to its weights: `Int8Linear.eager`, `PackedLinear.eager`, `FewRowsLinear.eager`), else a module's bound
+    bound to its weights: `Int8Linear.eager`, `PackedLinear.eager`, `FewRowsLinear.eager`...), else a module's bound
     forward (nn.Module's __call__ cost 2% of a lone step on an AMD EPYC Zen 1, for hooks that nothing sets on them),
     else the joint linear itself."""
-    if isinstance(linear, (Int8Linear, Int8JointLinear, PackedLinear, JointLinear, FewRowsLinear)):
-        return linear.eager()
+    eager = getattr(linear, "eager", None)
+    if eager is not None:
+        return eager()
     return linear.forward if isinstance(linear, torch.nn.Module) else linear
 
 

@@ -152,13 +152,11 @@ class JointLinear:
         object); else this object."""
         sizes = self.sizes
         if self.fp32 and self.weight is not None:
-            kernels, weight, bias, features = native.load(native.FP32), self.weight, self.bias, self.weight.shape[1]
+            kernel, features = native.fp32_linear_on(self.weight, self.bias), self.weight.shape[1]
 
-            def call(x: torch.Tensor) -> list[torch.Tensor]:
-                if _on_fp32_linear(x.numel() // features):
-                    return kernels.fp32_linear(x, weight, bias).split_with_sizes(sizes, -1)
-                return self(x)
-            return call
+            def few_rows_first(x: torch.Tensor) -> list[torch.Tensor]:
+                return kernel(x).split_with_sizes(sizes, -1) if _on_fp32_linear(x.numel() // features) else self(x)
+            return few_rows_first
         if self.tile_weight is None or not self.batch_invariant:
             return self
         kernel = native.tile_linear_on(self.tile_weight, self.bias, sum(sizes))
@@ -211,13 +209,12 @@ class FewRowsLinear(torch.nn.Linear):
     def eager(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` for an eager caller (the fused decoder), its tensors bound: past the module's lookups and the
         compile check, ~2% of a lone fp32 step (0.98x on an Intel Xeon with AMX)."""
-        kernels, weight, bias, features = native.load(native.FP32), self.weight, self.bias, self.in_features
+        kernel, weight, bias, features = native.fp32_linear_on(self.weight, self.bias), self.weight, self.bias, \
+            self.in_features
 
-        def call(x: torch.Tensor) -> torch.Tensor:
-            if _on_fp32_linear(x.numel() // features):
-                return kernels.fp32_linear(x, weight, bias)
-            return torch.nn.functional.linear(x, weight, bias)
-        return call
+        def few_rows_first(x: torch.Tensor) -> torch.Tensor:
+            return kernel(x) if _on_fp32_linear(x.numel() // features) else torch.nn.functional.linear(x, weight, bias)
+        return few_rows_first
 
 
 def route_fp32_linears(model: torch.nn.Module) -> int:
