@@ -21,7 +21,7 @@
 // past K to whole blocks) in steps of 4 bytes, each step the 4 bytes of every output of the tile side by side:
 // bytes 4s..4s+3 of output 16t + j lie at t * tile_bytes + 64 s + 4 j, as u8 (q + 128). One 64-byte step holds 4
 // bytes of K for the tile's 16 outputs (two 256-bit vectors, or one of 512), and the kernel reads W front to back,
-// one stream (prefetched PREFETCH bytes ahead).
+// one stream (prefetched PREFETCH bytes ahead, PREFETCH_ONE_ROW for one row of x).
 // A block's dot: x's 4 bytes are broadcast to every lane. On AVX-512 VNNI (512-bit vectors) one vpdpbusd adds
 // (q + 128) * x for the 4 bytes of each output, and the block's sums start at -128 times the block's sum of x
 // (exact, computed as x is quantized). On AVX2 the bytes are made signed again (xor 0x80), _mm256_sign_epi8 moves
@@ -75,7 +75,10 @@ static_assert(BLOCK == 32, "a block is one 256-bit vector of int8");
 constexpr int TILE = INT8_TILE;     // kernels/build.py's INT8_TILE: outputs per packed tile
 static_assert(TILE == 16, "a tile is two 256-bit vectors of 4 bytes of K for 8 outputs each");
 constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
-constexpr int64_t PREFETCH = 8192;  // bytes of W ahead that a tile's first pass asks the cache for
+constexpr int64_t PREFETCH = 8192;  // bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x
+// and for one (a lone stream's decode): its step 0.91x that at 8 KB (five alternated pairs, AMD EPYC Zen 4), where
+// 3 KB took 0.97-1.0x 8 KB's tokens/s on skew-small (4-32 rows)
+constexpr int64_t PREFETCH_ONE_ROW = 3072;
 constexpr int64_t GRAIN = 96;       // outputs per task where torch runs several threads
 constexpr int64_t QUANT_GRAIN = 16; // rows of x per quantizing task
 constexpr int AMX_ROWS = 16;        // rows of x per AMX tile product

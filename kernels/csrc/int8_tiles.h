@@ -10,7 +10,7 @@
 // Every variant computes the same integer block sums and float operations per output, so they give the same bits.
 
 // y[r][16 t .. 16 t + 16) for R rows of x from `row` (r < R) and W's tile t. With `prefetch` (the tile's first
-// pass), each step also asks L2 for the cache line PREFETCH bytes ahead: the hardware prefetchers alone streamed a
+// pass), each step also asks L2 for the cache line `ahead` bytes ahead: the hardware prefetchers alone streamed a
 // weight that does not fit the caches at ~0.6x the pace (the 49152 x 576 LM head at one row, AMD EPYC Zen 4). Asked
 // of L1 instead, SmolLM2's weights streamed at 0.8-0.85x the pace at 4-8 rows, the same at one.
 template <int R>
@@ -21,12 +21,13 @@ inline void dot_tile(const Operands& o, int64_t row, int64_t t, bool prefetch) {
   const int8_t* qx = o.x.q.data() + row * o.x.stride;
   const float* sx = o.x.scale.data() + row * o.x.blocks;
   const uint8_t* w = o.w + t * o.tile_bytes;  // read front to back: 64 bytes (one cache line) a step
+  constexpr int64_t ahead = R == 1 ? PREFETCH_ONE_ROW : PREFETCH;
   for (int64_t b = 0; b < o.x.blocks; b++) {
     Sums sum[R][VECTORS];
     for (int r = 0; r < R; r++)
       for (int v = 0; v < VECTORS; v++) sum[r][v] = block_start(o, row + r, b);
     for (int step = 0; step < BLOCK / 4; step++, w += 64) {  // 4 bytes of K for 16 outputs
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH), _MM_HINT_T1);  // (past W: a no-op)
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T1);  // (past W: a no-op)
       Sums wv[VECTORS];
       for (int v = 0; v < VECTORS; v++) wv[v] = load_w(w + 64 / VECTORS * v);
       for (int r = 0; r < R; r++) {
