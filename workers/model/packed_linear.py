@@ -209,8 +209,8 @@ class FewRowsLinear(torch.nn.Linear):
     def eager(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` for an eager caller (the fused decoder), its tensors bound: past the module's lookups and the
         compile check, ~2% of a lone fp32 step (0.98x on an Intel Xeon with AMX)."""
-        kernel, weight, bias, features = native.fp32_linear_on(self.weight, self.bias), self.weight, self.bias, \
-            self.in_features
+        kernel = native.fp32_linear_on(self.weight, self.bias)
+        weight, bias, features = self.weight, self.bias, self.in_features
 
         def few_rows_first(x: torch.Tensor) -> torch.Tensor:
             return kernel(x) if _on_fp32_linear(x.numel() // features) else torch.nn.functional.linear(x, weight, bias)
