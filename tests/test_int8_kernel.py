@@ -95,11 +95,15 @@ def test_int8_linear_matches_the_reference(rows, K, N, with_bias, isa):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_it_gives_the_torch_references_bits(isa):
-    """The same operations in the same order as the model's reference: the bits, not only the values, agree."""
-    for rows, K, N in ((1, 576, 37), (4, 64, 16), (5, 33, 9), (70, 300, 101), (130, 1536, 24)):
+    """The same operations in the same order as the model's reference: the bits, not only the values, agree, for
+    fp32 x and for bf16 x (whose result is the reference's rounded to bf16)."""
+    for rows, K, N in ((1, 576, 37), (4, 64, 16), (5, 33, 9), (70, 300, 101), (130, 1536, 24), (3, 7, 5)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + 2 * K + N)
         for b in (bias, None):
             assert torch.equal(kernel(x, qweight, wscale, b, isa), int8_linear_reference(x, qweight, wscale, b))
+            half = x.bfloat16()
+            want = int8_linear_reference(half.float(), qweight, wscale, b).bfloat16()
+            assert torch.equal(kernel(half, qweight, wscale, b, isa), want)
 
 
 @pytest.mark.parametrize("N, K", [(1, 1), (16, 32), (13, 70), (37, 576), (16, 33)])

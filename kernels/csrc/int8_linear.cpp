@@ -101,14 +101,15 @@ inline __m256 load8(const float* x, int64_t left) {
 }
 
 inline __m256 load8(const c10::BFloat16* x, int64_t left) {
-  alignas(16) uint16_t part[8] = {};
-  const void* from = x;
-  if (left < 8) {
+  __m128i bits;
+  if (left >= 8) {
+    bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  } else {
+    alignas(16) uint16_t part[8] = {};
     std::memcpy(part, x, 2 * std::max<int64_t>(left, 0));
-    from = part;
+    bits = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
   }
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(from)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
 // One row's block of n <= 32 values into 32 int8 (zeros past n); its scale, and -128 times the sum of the int8s.
