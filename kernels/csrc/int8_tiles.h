@@ -2,7 +2,7 @@
 // inclusion sits in a namespace of its own that first defines
 // - X_ROWS (rows of x per pass), VECTORS (vectors per tile of 16 outputs: 2 of 256 bits, or 1 of 512), and the
 //   integer (`Sums`) and float (`Floats`) vector types;
-// - `block_start(o, row, b)`: what a block's integer sums start from;
+// - `block_start(offset)`: what a block's integer sums start from, given its offset (`Quantized`);
 // - `load_w(w)`: the packed vector at w, ready for `dot`;
 // - `dot(sum, w, four)`: `sum` plus, in lane j, the exact dot of x's 4 bytes `four` with output j's 4 bytes of w;
 // - `add_block(acc, sum, sx)`: acc + (the sums as fp32) * sx, each operation rounded (no FMA);
@@ -19,13 +19,14 @@ inline void dot_tile(const Operands& o, int64_t row, int64_t t, bool prefetch) {
   for (int r = 0; r < R; r++)
     for (int v = 0; v < VECTORS; v++) acc[r][v] = Floats{};
   const int8_t* qx = o.x.q.data() + row * o.x.stride;
-  const float* sx = o.x.scale.data() + row * o.x.blocks;
+  const float* sx = o.x.scale.data() + o.x.at(row, 0);  // block b of row + r: sx[GROUP * b + r]
+  const int32_t* offset = o.x.offset.data() + o.x.at(row, 0);
   const uint8_t* w = o.w + t * o.tile_bytes;  // read front to back: 64 bytes (one cache line) a step
   constexpr int64_t ahead = R == 1 ? PREFETCH_ONE_ROW : PREFETCH;
   for (int64_t b = 0; b < o.x.blocks; b++) {
     Sums sum[R][VECTORS];
     for (int r = 0; r < R; r++)
-      for (int v = 0; v < VECTORS; v++) sum[r][v] = block_start(o, row + r, b);
+      for (int v = 0; v < VECTORS; v++) sum[r][v] = block_start(offset + GROUP * b + r);
     for (int step = 0; step < BLOCK / 4; step++, w += 64) {  // 4 bytes of K for 16 outputs
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T1);  // (past W: a no-op)
       Sums wv[VECTORS];
@@ -37,7 +38,7 @@ inline void dot_tile(const Operands& o, int64_t row, int64_t t, bool prefetch) {
       }
     }
     for (int r = 0; r < R; r++)  // the reference's order: the block's scaled sum, then added
-      for (int v = 0; v < VECTORS; v++) acc[r][v] = add_block(acc[r][v], sum[r][v], sx[r * o.x.blocks + b]);
+      for (int v = 0; v < VECTORS; v++) acc[r][v] = add_block(acc[r][v], sum[r][v], sx[GROUP * b + r]);
   }
   for (int v = 0; v < VECTORS; v++) {
     const int64_t n = TILE * t + TILE / VECTORS * v;
