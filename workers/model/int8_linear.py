@@ -31,6 +31,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from rqbatcher.kernels import native
+from rqbatcher.workers.model.huge_pages import huge_page_buffer
 from rqbatcher.workers.model.packed_linear import JointLinear
 
 QUANT_MAX = 127  # symmetric: -127..127, never -128
@@ -202,14 +203,17 @@ def quantize_linears(model: torch.nn.Module, on_native: bool | None = None) -> i
     """Replace the linears of `model`'s decoder and its LM head (`quantizable`) by `Int8Linear`s, in place; returns
     how many (0 for a model quantized already). A tied LM head is quantized as its own copy: the embedding table
     keeps the model's dtype. The int8 weights lie end to end in one buffer, in call order: a decode step streams
-    one run of memory, and q/k/v (gate/up) read as one matrix (`joint_linear`)."""
+    one run of memory (on a CPU, on huge pages: `huge_page_buffer`), and q/k/v (gate/up) read as one matrix
+    (`joint_linear`)."""
     targets = quantizable(model)
     if not targets:
         return 0
     first = targets[0].weight
     on_native = native_int8(first.device) if on_native is None else on_native
     sizes = [_stored_numel(*_out_in(m), on_native) for m in targets]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8 if on_native else torch.int8, device=first.device)
+    dtype = torch.uint8 if on_native else torch.int8
+    buffer = (huge_page_buffer(sum(sizes)).view(dtype) if first.device.type == "cpu"
+              else torch.empty(sum(sizes), dtype=dtype, device=first.device))
     replaced, offset = {}, 0
     for module in targets:
         quantized = Int8Linear.of(module, on_native)

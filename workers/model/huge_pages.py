@@ -1,0 +1,32 @@
+"""CPU memory for weights that a decode step streams whole, on the OS's transparent huge pages where it grants them.
+
+A lone stream's step reads every weight once. On 4 KB pages a model's ~100-300 MB of weights span tens of thousands
+of pages, more than the TLB holds, so every page costs the step a TLB miss and a page walk; on 2 MB pages a few
+hundred. Linux backs memory with huge pages by itself only in the `always` mode of
+/sys/kernel/mm/transparent_hugepage/enabled; in the common `madvise` mode, only memory advised `MADV_HUGEPAGE`, which
+torch's allocator advises only under THP_MEM_ALLOC_ENABLE=1. The int8 weights (one buffer: `int8_linear.
+quantize_linears`) on huge pages: a lone SmolLM2 step 0.80-0.96x its time (AMD EPYC Zen 4, one thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 CPU tensor of `nbytes`, in an anonymous mapping advised `MADV_HUGEPAGE` (the tensor
+    keeps the mapping alive); where the OS or Python has no such advice, plain torch memory."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(advice)
+    except OSError as error:  # transparent huge pages compiled out of the kernel
+        log.debug("no huge pages for the weights: %s", error)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
