@@ -31,10 +31,11 @@
 // added to the output's fp32 sum (no FMA); at the end times wscale, plus bias. So every variant gives the torch
 // reference's bits (workers/model/int8_linear.py's `int8_linear_reference`).
 //
-// Order of the work: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with
-// zeros, one scale and one sum per block). W is streamed once, a tile at a time, each block met by every row of x
-// while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 8 on AVX-512's 32; ROW_CHUNK
-// rows at most per pass over W, so a prefill's scratch stays in L2). Threads split the tiles (at::parallel_for).
+// Order of the work: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with zeros,
+// one scale and one sum per block, those of 8 rows side by side: `Quantized`). W is streamed once, a tile at a time,
+// each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 8
+// on AVX-512's 32; ROW_CHUNK rows at most per pass over W, so a prefill's scratch stays in L2). Threads split the tiles
+// (at::parallel_for).
 // The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
 // Batch invariance: each output is computed by the same instructions in the same order whatever the tile, the
