@@ -13,6 +13,7 @@
 // pass), each step also asks L2 for the cache line `ahead` bytes ahead: the hardware prefetchers alone streamed a
 // weight that does not fit the caches at ~0.6x the pace (the 49152 x 576 LM head at one row, AMD EPYC Zen 4). Asked
 // of L1 instead, SmolLM2's weights streamed at 0.8-0.85x the pace at 4-8 rows, the same at one.
+static_assert(GROUP % X_ROWS == 0 && ROW_CHUNK % GROUP == 0, "each pass's rows lie in one group of `Quantized`");
 template <int R>
 inline void dot_tile(const Operands& o, int64_t row, int64_t t, bool prefetch) {
   Floats acc[R][VECTORS];

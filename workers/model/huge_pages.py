@@ -1,11 +1,12 @@
-"""CPU memory for weights that a decode step streams whole, on the OS's transparent huge pages where it grants them.
+"""CPU memory for the weights a decode step streams whole, on the OS's transparent huge pages where it grants them.
 
-A lone stream's step reads every weight once. On 4 KB pages a model's ~100-300 MB of weights span tens of thousands
-of pages, more than the TLB holds, so every page costs the step a TLB miss and a page walk; on 2 MB pages a few
-hundred. Linux backs memory with huge pages by itself only in the `always` mode of
-/sys/kernel/mm/transparent_hugepage/enabled; in the common `madvise` mode, only memory advised `MADV_HUGEPAGE`, which
-torch's allocator advises only under THP_MEM_ALLOC_ENABLE=1. The int8 weights (one buffer: `int8_linear.
-quantize_linears`) on huge pages: a lone SmolLM2 step 0.80-0.96x its time (AMD EPYC Zen 4, one thread).
+A lone stream's step reads every weight once: on 4 KB pages a model's ~100-300 MB span tens of thousands of pages,
+on 2 MB pages a few hundred. Linux backs memory with huge pages unasked only in the `always` mode of
+/sys/kernel/mm/transparent_hugepage/enabled; in the common `madvise` mode, only memory advised `MADV_HUGEPAGE` (which
+torch's allocator advises only under THP_MEM_ALLOC_ENABLE=1, for every allocation of 2 MB or more). Measured with the
+int8 weights, one buffer (`int8_linear.quantize_linears`), on an AMD EPYC Zen 4 at one thread: a lone SmolLM2 step
+in a process of one engine 6.8-8.5 ms on 4 KB pages, 6.5-6.8 on huge pages (an engine built later in a process was
+as fast on 4 KB pages; why the first is not was not found).
 """
 
 from __future__ import annotations
