@@ -92,8 +92,8 @@ constexpr int64_t AMX_MIN_ROWS = 10;
 constexpr int64_t GROUP = 8;
 
 // x's rows, quantized: `stride` (whole blocks) int8 values per row, zeros past K; per block a scale, and -128 times
-// the block's sum of values (what VNNI's sums start from), for rows in groups of GROUP: block b of rows g * GROUP ..
-// g * GROUP + 7 at `at(row, b)`, one after another.
+// the block's sum of values (what VNNI's sums start from), for rows in groups of GROUP: block b of the group's rows
+// at `at(row, b)`, one after another.
 struct Quantized {
   int64_t blocks, stride;
   std::vector<int8_t> q;
@@ -171,10 +171,9 @@ Quantized quantize_rows(const T* x, int64_t rows, int64_t K) {
   out.offset.resize(groups * GROUP * out.blocks);
   at::parallel_for(0, rows, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++)
-      for (int64_t b = 0; b < out.blocks; b++)
-        out.scale[out.at(r, b)] = quantize_block(x + r * K + b * BLOCK, std::min<int64_t>(BLOCK, K - b * BLOCK),
-                                                 out.q.data() + r * out.stride + b * BLOCK,
-                                                 out.offset.data() + out.at(r, b));
+      for (int64_t b = 0, at = out.at(r, 0); b < out.blocks; b++, at += GROUP)
+        out.scale[at] = quantize_block(x + r * K + b * BLOCK, std::min<int64_t>(BLOCK, K - b * BLOCK),
+                                       out.q.data() + r * out.stride + b * BLOCK, out.offset.data() + at);
   });
   return out;
 }

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of `nbytes`, in an anonymous mapping advised `MADV_HUGEPAGE` (the tensor
-    keeps the mapping alive); where the OS or Python has no such advice, plain torch memory."""
+    """A uint8 CPU tensor of `nbytes` for the caller to fill, in an anonymous mapping advised `MADV_HUGEPAGE` (the
+    tensor keeps the mapping alive); where the OS or Python has no such advice, plain torch memory."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes == 0:
         return torch.empty(nbytes, dtype=torch.uint8)
