@@ -132,9 +132,10 @@ def test_bf16_x_gives_the_float_results_rounded_to_bf16(isa):
 
 @pytest.mark.parametrize("isa", VARIANTS[1:])  # none (skipped) on an AVX2-only CPU
 def test_every_wider_variant_gives_the_avx2_variants_bits(isa):
-    """Rows in whole tiles of 16 and not, one block and many, K with a shorter last block, W's tiles with padding."""
+    """Rows in whole tiles of 16 and not, one block and many, K with a shorter last block, W's tiles with padding,
+    more rows than AMX's pass takes at once (256)."""
     for rows, K, N in ((1, 576, 37), (3, 100, 9), (7, 64, 12), (16, 32, 16), (17, 1536, 40), (70, 300, 101),
-                       (130, 33, 5)):
+                       (130, 33, 5), (300, 96, 17)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K + N)
         for b in (bias, None):
             assert torch.equal(kernel(x, qweight, wscale, b, isa), kernel(x, qweight, wscale, b, "avx2")), (rows, K, N)

@@ -46,11 +46,10 @@
 // takes 0.82-0.93x the time of the same on 256-bit vectors 4 rows at a time from 8 rows on, and 0.36-0.79x that of
 // torch's bf16 linear (oneDNN's AVX512-BF16) at 8-512 rows; the AVX2 variant 1.1-1.75x the unpacked layout's kernel.
 // At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX, the AMX variant takes
-// 0.7-0.85x the VNNI variant's time from 16 rows, about the same at 8 (AMX_MIN_ROWS). Its products are
-// cheap; each block's sums must leave the tile (a store) and be scaled in float (4 vector operations per row), and
-// no vector work overlapped the tile loads and stores in a microbenchmark there (one block of 16 rows: tiles ~10 ns,
-// scaling ~17 ns, both ~27 ns), so oneDNN's AMX-BF16 linear, which keeps its sums in the tile across K, stays
-// 1.5-2.4x faster at 128-512 rows.
+// 0.65-0.85x the VNNI variant's time from 16 rows, about the same at 2-12 (AMX_MIN_ROWS). Its products are cheap
+// (a tile product of K = 32 costs what one of K = 64 does, ~13 cycles); each block's sums must leave the tile (a
+// store, ~12 cycles) and be scaled in float (3 vector operations per row), so oneDNN's AMX-BF16 linear and
+// amx_linear, which keep their sums in the tile across K, stay 1.3-2.2x faster at 64-512 rows.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -83,8 +82,8 @@ constexpr int64_t PREFETCH_ONE_ROW = 3072;
 constexpr int64_t GRAIN = 96;       // outputs per task where torch runs several threads
 constexpr int64_t QUANT_GRAIN = 16; // rows of x per quantizing task
 constexpr int AMX_ROWS = 16;        // rows of x per AMX tile product
-// Rows from which AMX runs by default (below, VNNI's dots): on an Intel Xeon with AMX, on tiles of x's rows, AMX
-// took 0.9x VNNI's time at 10 rows over SmolLM2's three shapes, about the same at 8, 1.04-1.3x at 1-4.
+// Rows from which AMX runs by default (below, VNNI's dots): on an Intel Xeon with AMX, AMX took 0.9-1.06x VNNI's time
+// at 2-12 rows over SmolLM2's three shapes, 1.03-1.08x at one, 0.76-0.8x at 16.
 constexpr int64_t AMX_MIN_ROWS = 10;
 
 // Rows of x whose block scales and offsets lie side by side (`Quantized::at`): a pass over X_ROWS <= GROUP rows reads
@@ -289,8 +288,8 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 // AMX-INT8: a block's dots for 16 rows of x and a tile's 16 outputs in one tile product, where VNNI's dots (one
 // instruction per row per 4 bytes of K) bind a prompt chunk's many rows. The packed W is already in AMX's layout for
 // the second operand (4 bytes of K for 16 outputs per 64-byte row), so a block of a tile is one 8-row tile. Each
-// block's exact sums (tdpbsud: x signed, W unsigned, q + 128) leave the tile for the float accumulation in
-// VNNI's order: the same integers and float operations, so the same bits.
+// block's exact sums (tdpbssd on a signed copy of the tile, or tdpbsud on W as packed, q + 128, plus the offsets) leave
+// the tile for the float accumulation in VNNI's order: the same integers and float operations, so the same bits.
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8"))), \
                              apply_to = function)
@@ -300,6 +299,9 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 #endif
 namespace amx {
 constexpr int64_t W_BLOCK = TILE * BLOCK;  // bytes of one block of a packed tile
+// rows of x per pass over W here (their scratch: 256 * K bytes, in L2), each tile's signed copy made once per pass
+constexpr int64_t ROW_CHUNK = 256;
+static_assert(AMX_ROWS == 2 * GROUP && ROW_CHUNK % AMX_ROWS == 0, "a product's rows are two groups of `Quantized`");
 
 // Tiles 0, 1: a block's sums (`rows` rows of x, up to 16, x 16 outputs, int32); 2, 3: x's rows of that block (32
 // bytes each); 4, 5: W's block (8 rows of 4 bytes x 16 outputs). Blocks alternate between the two sets, so the next
@@ -317,74 +319,134 @@ inline void configure(int64_t rows) {
   _tile_loadconfig(&config);
 }
 
-// (The tile intrinsics take their tiles' numbers as written, not as constants: one branch per set.)
-template <int SET>
-inline void start_block(const Operands& o, int64_t row, int64_t t, int64_t b) {
-  const int8_t* x = o.x.q.data() + row * o.x.stride + b * BLOCK;
-  const uint8_t* w = o.w + t * o.tile_bytes + b * W_BLOCK;
+// A packed tile of `bytes` with its bytes signed again (q, not q + 128) into `out`: tdpbssd's second operand, whose
+// sums need no offset. Made once per tile and chunk of rows, where more than one group of rows meets the tile.
+inline void signed_tile(const uint8_t* tile, int64_t bytes, int8_t* out) {
+  for (int64_t i = 0; i < bytes; i += 64)
+    _mm512_storeu_si512(out + i, _mm512_xor_si512(_mm512_loadu_si512(tile + i), _mm512_set1_epi8(-128)));
+}
+
+// The product of one block: x's rows from `x` (`stride` apart), W's block at `w`: signed (SIGNED: tdpbssd), else as
+// packed (tdpbsud, q + 128). (The tile intrinsics take their tiles' numbers as written: one branch per set.)
+template <int SET, bool SIGNED>
+inline void start_block(const int8_t* x, int64_t stride, const void* w) {
   if constexpr (SET == 0) {
-    _tile_loadd(2, x, o.x.stride);
+    _tile_loadd(2, x, stride);
     _tile_loadd(4, w, 64);
     _tile_zero(0);
-    _tile_dpbsud(0, 2, 4);
+    if constexpr (SIGNED)
+      _tile_dpbssd(0, 2, 4);
+    else
+      _tile_dpbsud(0, 2, 4);
   } else {
-    _tile_loadd(3, x, o.x.stride);
+    _tile_loadd(3, x, stride);
     _tile_loadd(5, w, 64);
     _tile_zero(1);
-    _tile_dpbsud(1, 3, 5);
+    if constexpr (SIGNED)
+      _tile_dpbssd(1, 3, 5);
+    else
+      _tile_dpbsud(1, 3, 5);
   }
 }
 
-// The block's sums, plus the offsets that take back the 128 each packed byte carries, added to acc as VNNI adds them.
-// FULL: a group of AMX_ROWS rows, whose loop the compiler unrolls to keep acc in registers (else count rows).
-template <int SET, bool FULL>
-inline void add_block(const Operands& o, int64_t row, int64_t count, int64_t b, __m512* acc) {
-  alignas(64) int32_t sums[AMX_ROWS][TILE];
+// A block's sums (tile SET) into `sums`: a tile store, whose data vector loads read only once it has landed.
+template <int SET>
+inline void store_sums(int32_t (*sums)[TILE]) {
   if constexpr (SET == 0)
     _tile_stored(0, sums, 64);
   else
     _tile_stored(1, sums, 64);
+}
+
+// Where dot_tile's rows' block scales and offsets lie: block b of row r < 8 at `first[GROUP * b + r]`, of row r >= 8
+// at `second[GROUP * b + r - 8]` (`Quantized::at`), as pointers the compiler need not load again after a tile store.
+template <typename T>
+struct RowPair {
+  const T* first;
+  const T* second;
+  T of(int64_t b, int64_t r) const { return r < GROUP ? first[GROUP * b + r] : second[GROUP * b + r - GROUP]; }
+};
+
+// Block b's sums (plus the offsets that take back the 128 each packed byte carries, unless SIGNED) added to acc as
+// VNNI adds them. FULL: a group of AMX_ROWS rows, its loop unrolled so that acc stays in registers (else `count`).
+template <bool FULL, bool SIGNED>
+inline void add_block(const int32_t (*sums)[TILE], RowPair<float> scale, RowPair<int32_t> offset, int64_t b,
+                      int64_t count, __m512* acc) {
+#pragma GCC unroll 16
   for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) {
-    const int64_t at = o.x.at(row + r, b);
-    const __m512i exact = _mm512_add_epi32(_mm512_set1_epi32(o.x.offset[at]), _mm512_load_si512(sums[r]));
-    acc[r] = vnni::add_block(acc[r], exact, o.x.scale[at]);
+    __m512i exact = _mm512_load_si512(sums[r]);
+    if constexpr (!SIGNED) exact = _mm512_add_epi32(_mm512_set1_epi32(offset.of(b, r)), exact);
+    acc[r] = vnni::add_block(acc[r], exact, scale.of(b, r));
   }
 }
 
-// y for x's rows [row, row + count) (count <= 16: the tiles are configured for it) and W's tile t.
-template <bool FULL>
-inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t) {
+// y for x's rows [row, row + count) (count <= 16: the tiles are configured for it; row a multiple of GROUP) and W's
+// tile t at `w` (signed: `signed_tile`, or as packed). A block's sums are scaled only once the next block's product
+// is asked for and its sums stored, so the tiles work while the vector units scale.
+template <bool FULL, bool SIGNED>
+inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t, const void* w) {
   __m512 acc[AMX_ROWS];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  const int64_t blocks = o.x.blocks;
-  start_block<0>(o, row, t, 0);
-  for (int64_t b = 0; b < blocks; b += 2) {
-    if (b + 1 < blocks) start_block<1>(o, row, t, b + 1);
-    add_block<0, FULL>(o, row, count, b, acc);
+#pragma GCC unroll 16
+  for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[2][AMX_ROWS][TILE];
+  const int64_t blocks = o.x.blocks, stride = o.x.stride;
+  const int8_t* x = o.x.q.data() + row * stride;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const int64_t at0 = o.x.at(row, 0), at1 = count > GROUP ? o.x.at(row + GROUP, 0) : at0;
+  const RowPair<float> scale{o.x.scale.data() + at0, o.x.scale.data() + at1};
+  const RowPair<int32_t> offset{o.x.offset.data() + at0, o.x.offset.data() + at1};
+  start_block<0, SIGNED>(x, stride, wb);
+  for (int64_t b = 0; b < blocks; b += 2) {  // block b on tiles of set 0, b + 1 on set 1
+    if (b + 1 < blocks) start_block<1, SIGNED>(x + (b + 1) * BLOCK, stride, wb + (b + 1) * W_BLOCK);
+    store_sums<0>(sums[0]);
+    if (b > 0) add_block<FULL, SIGNED>(sums[1], scale, offset, b - 1, count, acc);
     if (b + 1 < blocks) {
-      if (b + 2 < blocks) start_block<0>(o, row, t, b + 2);
-      add_block<1, FULL>(o, row, count, b + 1, acc);
+      if (b + 2 < blocks) start_block<0, SIGNED>(x + (b + 2) * BLOCK, stride, wb + (b + 2) * W_BLOCK);
+      store_sums<1>(sums[1]);
+      add_block<FULL, SIGNED>(sums[0], scale, offset, b, count, acc);
     }
   }
-  for (int64_t r = 0; r < count; r++) vnni::finish<1>(o, row + r, TILE * t, &acc[r]);
+  // the last block's sums: stored, not yet added
+  add_block<FULL, SIGNED>(sums[(blocks - 1) % 2], scale, offset, blocks - 1, count, acc);
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) {
+    const __m512 out = acc[r];  // a copy: acc's own address never escapes, so it stays in registers
+    vnni::finish<1>(o, row + r, TILE * t, &out);
+  }
 }
 
-// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time, 16 per tile product (a
-// last group of fewer on tiles of that many rows).
+// x's rows [first, last) against W's tile t at `w`, 16 per tile product (a last group of fewer on tiles of that many
+// rows); `configured`: the rows the tiles are configured for.
+template <bool SIGNED>
+inline void all_rows(const Operands& o, int64_t first, int64_t last, int64_t t, const void* w, int64_t& configured) {
+  for (int64_t row = first; row < last; row += AMX_ROWS) {
+    const int64_t count = std::min<int64_t>(AMX_ROWS, last - row);
+    if (count != configured) configure(configured = count);
+    if (count == AMX_ROWS)
+      dot_tile<true, SIGNED>(o, row, count, t, w);
+    else
+      dot_tile<false, SIGNED>(o, row, count, t, w);
+  }
+}
+
+// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time. Where more than one group
+// of rows meets a tile, they meet a signed copy of it (on an Intel Xeon with AMX the copy took 1.1-1.5x the time at
+// 16 rows, where one group alone pays for it; the offsets 1.0-1.25x at 64-512 rows).
 inline void pass_over_w(const Operands& o, int64_t rows) {
   at::parallel_for(0, (o.N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / TILE), [&](int64_t begin, int64_t end) {
-    int64_t configured = 0;  // rows the tiles are configured for
+    std::vector<int8_t> copy(rows > AMX_ROWS ? o.tile_bytes : 0);
+    int64_t configured = 0;
     for (int64_t first = 0; first < rows; first += ROW_CHUNK) {
       const int64_t last = std::min(rows, first + ROW_CHUNK);
-      for (int64_t t = begin; t < end; t++)
-        for (int64_t row = first; row < last; row += AMX_ROWS) {
-          const int64_t count = std::min<int64_t>(AMX_ROWS, last - row);
-          if (count != configured) configure(configured = count);
-          if (count == AMX_ROWS)
-            dot_tile<true>(o, row, count, t);
-          else
-            dot_tile<false>(o, row, count, t);
+      for (int64_t t = begin; t < end; t++) {
+        const uint8_t* tile = o.w + t * o.tile_bytes;
+        if (copy.empty()) {
+          all_rows<false>(o, first, last, t, tile, configured);
+        } else {
+          signed_tile(tile, o.tile_bytes, copy.data());
+          all_rows<true>(o, first, last, t, copy.data(), configured);
         }
+      }
     }
     _tile_release();
   });
