@@ -301,6 +301,9 @@ namespace amx {
 constexpr int64_t W_BLOCK = TILE * BLOCK;  // bytes of one block of a packed tile
 // rows of x per pass over W here (their scratch: 256 * K bytes, in L2), each tile's signed copy made once per pass
 constexpr int64_t ROW_CHUNK = 256;
+// Groups of AMX_ROWS rows from which a call's tiles are signed first (`signed_tile`): on an Intel Xeon with AMX the
+// copy cost 1.02-1.35x the time at 20-32 rows (one or two groups to pay for it) and took 0.86-1.02x from 128 rows.
+constexpr int64_t SIGNED_MIN_GROUPS = 4;
 static_assert(AMX_ROWS == 2 * GROUP && ROW_CHUNK % AMX_ROWS == 0, "a product's rows are two groups of `Quantized`");
 
 // Tiles 0, 1: a block's sums (`rows` rows of x, up to 16, x 16 outputs, int32); 2, 3: x's rows of that block (32
@@ -320,7 +323,7 @@ inline void configure(int64_t rows) {
 }
 
 // A packed tile of `bytes` with its bytes signed again (q, not q + 128) into `out`: tdpbssd's second operand, whose
-// sums need no offset. Made once per tile and chunk of rows, where more than one group of rows meets the tile.
+// sums need no offset. Made once per tile and chunk of rows, where enough groups of rows meet the tile to pay for it.
 inline void signed_tile(const uint8_t* tile, int64_t bytes, int8_t* out) {
   for (int64_t i = 0; i < bytes; i += 64)
     _mm512_storeu_si512(out + i, _mm512_xor_si512(_mm512_loadu_si512(tile + i), _mm512_set1_epi8(-128)));
@@ -429,12 +432,12 @@ inline void all_rows(const Operands& o, int64_t first, int64_t last, int64_t t, 
   }
 }
 
-// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time. Where more than one group
-// of rows meets a tile, they meet a signed copy of it (on an Intel Xeon with AMX the copy took 1.1-1.5x the time at
-// 16 rows, where one group alone pays for it; the offsets 1.0-1.25x at 64-512 rows).
+// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time; from SIGNED_MIN_GROUPS
+// groups of rows, a signed copy of it.
 inline void pass_over_w(const Operands& o, int64_t rows) {
+  const bool signed_copy = (rows + AMX_ROWS - 1) / AMX_ROWS >= SIGNED_MIN_GROUPS;
   at::parallel_for(0, (o.N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / TILE), [&](int64_t begin, int64_t end) {
-    std::vector<int8_t> copy(rows > AMX_ROWS ? o.tile_bytes : 0);
+    std::vector<int8_t> copy(signed_copy ? o.tile_bytes : 0);
     int64_t configured = 0;
     for (int64_t first = 0; first < rows; first += ROW_CHUNK) {
       const int64_t last = std::min(rows, first + ROW_CHUNK);
