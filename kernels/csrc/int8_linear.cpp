@@ -46,10 +46,11 @@
 // takes 0.82-0.93x the time of the same on 256-bit vectors 4 rows at a time from 8 rows on, and 0.36-0.79x that of
 // torch's bf16 linear (oneDNN's AVX512-BF16) at 8-512 rows; the AVX2 variant 1.1-1.75x the unpacked layout's kernel.
 // At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX, the AMX variant takes
-// 0.65-0.85x the VNNI variant's time from 16 rows, about the same at 2-12 (AMX_MIN_ROWS). Its products are cheap
-// (a tile product of K = 32 costs what one of K = 64 does, ~13 cycles); each block's sums must leave the tile (a
-// store, ~12 cycles) and be scaled in float (3 vector operations per row), so oneDNN's AMX-BF16 linear and
-// amx_linear, which keep their sums in the tile across K, stay 1.3-2.2x faster at 64-512 rows.
+// 0.69-0.85x the VNNI variant's time from 16 rows, about the same at 2-12 (AMX_MIN_ROWS). Its products are cheap
+// (a tile product of K = 32 costs what one of K = 64 does, ~5 ns); each block's sums must leave the tile (a store,
+// ~5 ns) and be scaled in float (3-4 vector operations per row), and that vector work did not overlap the tile work
+// at all there, so oneDNN's AMX-BF16 linear and amx_linear, which keep their sums in the tile across K, stay
+// 1.3-2.2x faster at 64-512 rows.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -299,7 +300,8 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 #endif
 namespace amx {
 constexpr int64_t W_BLOCK = TILE * BLOCK;  // bytes of one block of a packed tile
-// rows of x per pass over W here (their scratch: 256 * K bytes, in L2), each tile's signed copy made once per pass
+// rows of x per pass over W here (their scratch: 256 * K bytes, in L2; the other variants' passes take 64), each
+// tile's signed copy made once per pass
 constexpr int64_t ROW_CHUNK = 256;
 // Groups of AMX_ROWS rows from which a call's tiles are signed first (`signed_tile`): on an Intel Xeon with AMX the
 // copy cost 1.02-1.35x the time at 20-32 rows (one or two groups to pay for it) and took 0.86-1.02x from 128 rows.
