@@ -147,7 +147,8 @@ def table(report: dict) -> str:
 
 
 @click.command()
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="A local folder, a hub id or smollm2.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="A local folder, a GGUF file, a hub id or smollm2.")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True, help="torch CPU threads.")
 @click.option("--window", type=click.IntRange(2), default=DEFAULT_WINDOW, show_default=True,
               help="Tokens per perplexity window.")

@@ -50,9 +50,14 @@ def reference_tokens(model_dir, prompt_ids, max_tokens) -> list[int]:
     key = str(model_dir)
     if key not in _references:
         _references[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return generate_greedy(_references[key], prompt_ids, max_tokens)
+
+
+def generate_greedy(model: torch.nn.Module, prompt_ids, max_tokens) -> list[int]:
+    """`model.generate` on one request: greedy, exactly max_tokens (EOS not special)."""
     ids = torch.tensor([prompt_ids])
-    out = _references[key].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 

@@ -29,7 +29,7 @@ from rqbatcher.workers.model.int8_linear import (
     quantize_linears,
     quantize_weight,
 )
-from tests.engine_helpers import engine_for, greedy, random_prompts, record_logits, run_all
+from tests.engine_helpers import engine_for, generate_greedy, greedy, random_prompts, record_logits, run_all
 from tests.test_int8_kernel import int8_unpack
 from tests.tiny_models import build_tiny_model
 
@@ -273,10 +273,7 @@ def test_an_engine_serves_on_int8_weights(tiny_model_dir):
     reference = load(model_dir)
     quantize_linears(reference, on_native=engine.runner.model.lm_head.on_native)
     for i, prompt in enumerate(prompts):
-        ids = torch.tensor([prompt])
-        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                      do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt) :]
-        assert finals[f"r{i}"].token_ids == expected.tolist(), i
+        assert finals[f"r{i}"].token_ids == generate_greedy(reference, prompt, MAX_TOKENS), i
 
 
 @pytest.fixture(scope="module")

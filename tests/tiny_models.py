@@ -130,3 +130,49 @@ def build_embedding_model(path: Path, pooling: str = "mean", matryoshka: bool | 
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": config.hidden_size,
                                                                 **modes}))
     return path
+
+
+def build_tiny_gguf(path: Path, quantization: str = "F32") -> Path:
+    """The tiny Llama (`build_tiny_model`) written as a GGUF file at `path` the way llama.cpp's converter writes one:
+    its tensors under GGUF names, q and k in llama.cpp's rotary order, weights of two dims in `quantization` (a
+    `gguf.GGMLQuantizationType` name: F32, Q8_0...) and the rest in F32, the tokenizer as a byte-level BPE."""
+    import gguf  # the worker extra's
+
+    folder = build_tiny_model("llama", path.with_suffix(".hf"))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    config, tokenizer = model.config, PreTrainedTokenizerFast.from_pretrained(folder)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if token in tokenizer.all_special_tokens else gguf.TokenType.NORMAL
+                            for token, _ in vocab])
+    writer.add_token_merges([" ".join(merge) for merge in json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+                             ["merges"]])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    qtype = gguf.GGMLQuantizationType[quantization]
+    for name, tensor in model.state_dict().items():
+        data = tensor.float().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, data.shape[1]).swapaxes(1, 2).reshape(data.shape)
+        stored = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), gguf.quants.quantize(data, stored),
+                          raw_dtype=stored)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -35,7 +35,8 @@ def engine_options(func):
     """Add the engine knobs to a command; the command receives `engine_config: EngineConfig`."""
     options = [
         click.option("--model", default=c.DEFAULT_MODEL, envvar="BATCHER_MODEL", show_default=True,
-                     help="A local model folder, a hub id, or 'smollm2' (the bundled SmolLM2-135M-Instruct)."),
+                     help="A local model folder, a GGUF file (converted once), a hub id, or 'smollm2' (the bundled "
+                          "SmolLM2-135M-Instruct)."),
         click.option("--policy", type=click.Choice(c.POLICIES), default="continuous", envvar="BATCHER_POLICY",
                      show_default=True, help="continuous batching, or the static baseline."),
         click.option("--max-num-seqs", type=click.IntRange(1), default=c.DEFAULT_MAX_NUM_SEQS,

