@@ -22,7 +22,15 @@ from pathlib import Path
 import click
 
 from benchmarks.llama_server import GGUF_CHOICES, SystemUnavailable
-from benchmarks.roofline import ModelCost, Roofline, lone_decode_step_s, matmul_probe, read_bandwidth
+from benchmarks.roofline import (
+    ModelCost,
+    Roofline,
+    cache_note,
+    last_level_cache_bytes,
+    lone_decode_step_s,
+    matmul_probe,
+    read_bandwidth,
+)
 from rqbatcher.cli.options import engine_options, redis_url_option
 from rqbatcher.config import EngineConfig
 from rqbatcher.workers.bench.record import SystemRun
@@ -101,6 +109,7 @@ class Comparison:
     roofline: Roofline
     figures: list[RooflineFigures] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # system -> why it could not run here
+    cache_bytes: int | None = None  # the CPU's last-level cache, where the run was on a CPU that reports it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +123,8 @@ class Comparison:
         lines += [f"{f.system}: a lone sequence's decode step takes {f.lone_decode_step_s * 1e3:.3g} ms, "
                   f"{f.lone_decode_step_s / floor:.3g}x the weight-read floor ({floor * 1e3:.3g} ms)"
                   for f in self.figures if f.lone_decode_step_s is not None]
+        note = cache_note(self.roofline.weight_bytes, self.cache_bytes)
+        lines += [f"  note: {note}"] if note and any(f.lone_decode_step_s is not None for f in self.figures) else []
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -177,7 +188,8 @@ def compare(workload: list[WorkloadRequest], name: str, systems: list[System | P
     probe, read = max(probe, matmul_probe(dtype, str(device))), max(read, read_bandwidth(str(device)))
     roofline = Roofline.of(workload, cost, dtype, config.max_num_seqs, probe, read)
     comparison = Comparison(bench_report(name, workload, runs, baseline.name, config, threads, device), probe / 1e9,
-                            roofline, skipped=skipped)
+                            roofline, skipped=skipped,
+                            cache_bytes=last_level_cache_bytes() if device.type == "cpu" else None)
     for run in runs.values():
         cached = run.cached_tokens or {}
         flops = sum(cost.request_flops(w.prompt_len, len(run.tokens.get(w.id, [])), cached.get(w.id, 0))

@@ -11,7 +11,8 @@ tokens to warm it, then --rounds more one after another, and times every `engine
 by round, so a noisy neighbour touches them alike. Prints the median step per format, its tokens per second and
 its ratio to the first format's, and against its weight-read floor (the bytes its weights are stored in, over the
 memory's read pace: `benchmarks.roofline`'s probe, the better of before and after), with the CPU and which int8
-kernel ran (`isa`). With --breakdown, one more round
+kernel ran (`isa`), and a note for each format whose weights fit in the CPU's last-level cache (its step can then
+run under that floor). With --breakdown, one more round
 per format times every call into the native kernels, and splits the mean step into the linears, the other native
 kernels (attention, norms, rotary, KV writes) and the rest (Python, torch's own ops, the sampler).
 """
@@ -27,7 +28,7 @@ from unittest import mock
 import click
 import torch
 
-from benchmarks.roofline import ModelCost, read_bandwidth
+from benchmarks.roofline import ModelCost, cache_note, last_level_cache_bytes, read_bandwidth
 from rqbatcher.config import DEFAULT_MODEL, DEFAULT_QUANTIZATION, EngineConfig
 from rqbatcher.kernels import native
 from rqbatcher.schema import GenerationRequest, SamplingParams
@@ -133,11 +134,15 @@ def main(model: str, threads: int, formats: str, tokens: int, rounds: int, batch
           f"{int8.isa(batch) if int8 else 'torch reference'}; memory read at {read / 1e9:.1f} GB/s")
     print("| format | decode step p50 ms | tok/s | step against the first | weight-read floor ms | step against its "
           "floor |\n|---|---:|---:|---:|---:|---:|")
-    first = statistics.median(steps[next(iter(steps))])
+    first, notes = statistics.median(steps[next(iter(steps))]), []
     for spec, times in steps.items():
-        median, floor = statistics.median(times), ModelCost.of(engines[spec].runner.model).weight_bytes / read
+        weight_bytes = ModelCost.of(engines[spec].runner.model).weight_bytes
+        median, floor = statistics.median(times), weight_bytes / read
         print(f"| {spec} | {1e3 * median:.1f} | {batch / median:.1f} | {median / first:.2f}x | {1e3 * floor:.1f} | "
               f"{median / floor:.2f}x |")
+        notes += [f"{spec}: {note}" for note in [cache_note(weight_bytes, last_level_cache_bytes())] if note]
+    if notes:
+        print("\n" + "\n".join(notes))
     if breakdown:
         print("\n| format | step mean ms | linears | other native kernels | the rest |\n|---|---:|---:|---:|---:|")
         for spec, engine in engines.items():

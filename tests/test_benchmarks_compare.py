@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from benchmarks import compare as cmp
-from benchmarks.roofline import ModelCost, Roofline
+from benchmarks.roofline import ModelCost, Roofline, cache_note, last_level_cache_bytes
 from rqbatcher.config import EngineConfig
 from rqbatcher.workers.bench.system import System
 from tests.test_bench import WORKLOAD, tiny_config
@@ -46,6 +46,8 @@ def test_every_system_is_set_against_the_roofline(comparison):
     assert useful["batcher:continuous"] < useful["batcher:continuous:no-prefix-caching"]  # it skipped the prefix
     table = comparison.table()
     assert "% limit" in table and "roofline limit" in table and "weight-read floor" in table
+    # a tiny model's weights fit in any CPU's last-level cache, wherever the CPU reports one
+    assert ("fit in this CPU's last-level cache" in table) == (comparison.cache_bytes is not None)
     as_json = json.loads(json.dumps(comparison.to_dict()))
     assert as_json["roofline"]["limit_s"] > 0 and as_json["report"]["baseline"] == "batcher:static"
 
@@ -150,3 +152,20 @@ def test_the_job_rate_bench_runs_every_job_through_a_real_worker():
         assert rate(connection, jobs=40, tokens=3, slots=8) > 0
         finished = connection.zcard(f"rq:finished:{QUEUE}")
         assert finished == 40 and connection.llen(f"rq:queue:{QUEUE}") == 0
+
+
+def test_the_last_level_cache_is_the_largest_level_linux_reports(tmp_path):
+    for index, (level, size) in enumerate([(1, "48K"), (1, "32K"), (2, "2048K"), (3, "307200K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(tmp_path) == 300 << 20
+    (tmp_path / "index3" / "size").write_text("1M\n")
+    assert last_level_cache_bytes(tmp_path) == 1 << 20
+    assert last_level_cache_bytes(tmp_path / "none") is None
+
+
+def test_weights_that_fit_in_the_cache_are_noted_and_others_are_not():
+    assert "135 MB" in cache_note(135_000_000, 300 << 20) and "315 MB" in cache_note(135_000_000, 300 << 20)
+    assert cache_note(540_000_000, 300 << 20) is None
+    assert cache_note(135_000_000, None) is None
