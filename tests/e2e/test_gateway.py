@@ -236,8 +236,8 @@ def post_and_leave(base: str, body: dict, api_key: str, until) -> None:
     url, payload = httpx.URL(base), json.dumps(body).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nAuthorization: Bearer {api_key}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
-    with socket.create_connection((url.host, url.port)) as connection:
-        connection.sendall(head.encode() + payload)
+    with socket.create_connection((url.host, url.port)) as client_socket:
+        client_socket.sendall(head.encode() + payload)
         wait_for(until, 20, "the job to begin", interval=0.001)
 
 
