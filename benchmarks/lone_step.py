@@ -134,13 +134,13 @@ def main(model: str, threads: int, formats: str, tokens: int, rounds: int, batch
           f"{int8.isa(batch) if int8 else 'torch reference'}; memory read at {read / 1e9:.1f} GB/s")
     print("| format | decode step p50 ms | tok/s | step against the first | weight-read floor ms | step against its "
           "floor |\n|---|---:|---:|---:|---:|---:|")
-    first, notes = statistics.median(steps[next(iter(steps))]), []
+    first, notes, cache_bytes = statistics.median(steps[next(iter(steps))]), [], last_level_cache_bytes()
     for spec, times in steps.items():
         weight_bytes = ModelCost.of(engines[spec].runner.model).weight_bytes
         median, floor = statistics.median(times), weight_bytes / read
         print(f"| {spec} | {1e3 * median:.1f} | {batch / median:.1f} | {median / first:.2f}x | {1e3 * floor:.1f} | "
               f"{median / floor:.2f}x |")
-        notes += [f"{spec}: {note}" for note in [cache_note(weight_bytes, last_level_cache_bytes())] if note]
+        notes += [f"{spec}: {note}" for note in [cache_note(weight_bytes, cache_bytes)] if note]
     if notes:
         print("\n" + "\n".join(notes))
     if breakdown:

@@ -38,6 +38,15 @@ def q8_0_values(model) -> dict[str, torch.Tensor]:
             if tensor.dim() == 2 else tensor for name, tensor in model.state_dict().items()}
 
 
+def int8_reference(gguf_path) -> torch.nn.Module:
+    """The Q8_0 file's values in the model it was written from, then quantized per output channel as a worker here
+    quantizes them."""
+    reference = original(gguf_path)
+    reference.load_state_dict(q8_0_values(reference))
+    quantize_linears(reference, on_native=native_int8(torch.device("cpu")))
+    return reference
+
+
 def test_an_f32_gguf_loads_as_the_model_it_was_written_from(tmp_path, cache):
     path = build_tiny_gguf(tmp_path / "tiny.gguf")
     loaded = load_model(str(path))
@@ -54,10 +63,10 @@ def test_an_f32_gguf_loads_as_the_model_it_was_written_from(tmp_path, cache):
 
 def test_a_q8_0_gguf_loads_its_blocks_dequantized(tmp_path):
     path = build_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0")
-    loaded = load_model(str(path)).model.state_dict()
-    expected = q8_0_values(original(path))
+    loaded, written_from = load_model(str(path)).model.state_dict(), original(path)
+    expected = q8_0_values(written_from)
     assert all(torch.equal(tensor, expected[name]) for name, tensor in loaded.items())
-    assert not all(torch.equal(tensor, original(path).state_dict()[name]) for name, tensor in loaded.items())
+    assert not all(torch.equal(tensor, written_from.state_dict()[name]) for name, tensor in loaded.items())
 
 
 def test_an_engine_serves_a_q8_0_gguf_on_int8_weights(tmp_path):
@@ -68,9 +77,7 @@ def test_an_engine_serves_a_q8_0_gguf_on_int8_weights(tmp_path):
     for i, prompt in enumerate(prompts):
         engine.add(f"r{i}", greedy(prompt, MAX_TOKENS))
     finals = run_all(engine)
-    reference = original(path)
-    reference.load_state_dict(q8_0_values(reference))
-    quantize_linears(reference, on_native=engine.runner.model.lm_head.on_native)
+    reference = int8_reference(path)
     for i, prompt in enumerate(prompts):
         assert finals[f"r{i}"].token_ids == generate_greedy(reference, prompt, MAX_TOKENS), i
 
@@ -118,10 +125,7 @@ def test_batcher_run_serves_a_gguf_file_with_its_chat_template(tmp_path):
                                        "--input", str(source), "--output", str(results)])
     assert result.exit_code == 0, result.output
     completion, chat = (json.loads(line)["response"]["body"] for line in results.read_text().splitlines())
-    reference = original(path)
-    reference.load_state_dict(q8_0_values(reference))
-    quantize_linears(reference, on_native=native_int8(torch.device("cpu")))
-    assert completion["choices"][0]["token_ids"] == generate_greedy(reference, [9, 10, 11], MAX_TOKENS)
+    assert completion["choices"][0]["token_ids"] == generate_greedy(int8_reference(path), [9, 10, 11], MAX_TOKENS)
     assert completion["model"] == chat["model"] == str(path)
     prompt = AutoTokenizer.from_pretrained(path.with_suffix(".hf")).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)
