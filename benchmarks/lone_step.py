@@ -38,8 +38,8 @@ from rqbatcher.workers.engine.engine import build_engine
 PROMPT = list(range(100, 132))  # 32 token ids: the step times past the prefill are what is measured
 # the extensions' own functions (the fused decoder calls some of them directly, not through `native`'s wrappers)
 LINEARS = ("int8_linear", "amx_linear", "avx512_linear", "small_linear", "fp32_linear")
-OTHER_KERNELS = ("paged_decode", "amx_prefill", "avx512_prefill", "rms_norm", "add_rms_norm", "rotary_", "silu_mul",
-                 "write_kv")
+OTHER_KERNELS = ("paged_decode", "amx_decode", "amx_prefill", "avx512_prefill", "rms_norm", "add_rms_norm", "rotary_",
+                 "silu_mul", "write_kv")
 
 
 def extensions() -> list:

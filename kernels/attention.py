@@ -16,8 +16,8 @@ On a CPU, decodes at long contexts and prompt chunks after cached keys take the 
 `rqbatcher.kernels.segmented` (flash attention over views of the cache, merged by log-sum-exp) when the runner gives
 their keys as runs of cache rows (`decode_runs`, `context_runs`). On the cpu backend the decodes take the bf16
 kernel of `rqbatcher.kernels.native` instead, and in bf16 so do prompt chunks (`native.prefill`: the chunk over all its
-keys, cached and its own, straight from the paged cache); with `AttentionMetadata.batch_invariant` a query gets
-the same bits from both (docs/batch-invariance.md). The padded, masked paths below are the
+keys, cached and its own, straight from the paged cache), and a query gets the same bits from both
+(docs/batch-invariance.md). The padded, masked paths below are the
 reference, and serve sliding windows, short contexts and other devices.
 """
 
@@ -95,7 +95,6 @@ class AttentionMetadata:
     block_size: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
-    batch_invariant: bool = False  # native prompt chunks in the decode kernel's arithmetic (`native.prefill`)
 
     @classmethod
     def idle(cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
@@ -311,7 +310,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetad
         rows = slice(span.q_start, span.q_start + span.q_len)
         if span.native and sliding_window is None:
             out[rows] = native.prefill(q[rows], k_cache, v_cache, span.context_blocks, span.ctx_start,
-                                       md.block_size, scaling, md.batch_invariant)
+                                       md.block_size, scaling)
             continue
         if span.context_runs is not None and sliding_window is None:
             out[rows] = segmented.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.context_runs, scaling)

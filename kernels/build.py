@@ -76,16 +76,16 @@ class Build:
 
 
 BF16 = Build("bf16", "batcher_cpu_kernels",
-             ("cpu_kernels.cpp", "amx_linear.cpp", "avx512_linear.cpp", "amx_prefill.cpp", "avx512_prefill.cpp",
-              "layer_ops.cpp", "kv_write.cpp"),
-             ("common.h", "amx.h", "row_cursor.h", "torch_sum.h", "prefill.h"),
+             ("cpu_kernels.cpp", "amx_linear.cpp", "avx512_linear.cpp", "amx_prefill.cpp", "amx_decode.cpp",
+              "avx512_prefill.cpp", "layer_ops.cpp", "kv_write.cpp"),
+             ("common.h", "amx.h", "row_cursor.h", "torch_sum.h", "prefill.h", "decode_call.h"),
              ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
              ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
               OPENMP, f"-DLINEAR_MAX_ROWS={LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 FP32 = Build("fp32", "batcher_fp32_kernels",
              ("fp32_linear.cpp", "fp32_layer_ops.cpp", "fp32_decode.cpp", "kv_write.cpp"),
-             ("avx2.h", "row_cursor.h", "torch_sum.h"), ("avx2", "fma"),
+             ("avx2.h", "row_cursor.h", "torch_sum.h", "decode_call.h"), ("avx2", "fma"),
              # no FMA contraction: the layer ops round each product as torch's ops do (the kernels' FMAs are
              # written out)
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",

@@ -46,21 +46,29 @@ def test_a_linear_row_is_the_same_bits_at_any_row_count(isa, features):
 
 
 @needs_bf16_kernels
+@pytest.mark.parametrize("decode_kernel,prefill_kernel", [
+    ("paged_decode", "avx512_prefill"),
+    pytest.param("amx_decode", "amx_prefill", marks=pytest.mark.skipif(not native.cpu_has_amx(), reason="no AMX")),
+])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-def test_a_query_attends_the_same_as_a_decode_and_in_any_chunk(heads, kv_heads, head_dim):
-    """The decode kernel and the prefill kernel (AVX-512's, which batch invariance runs on AMX too) give a query
-    the same bits, wherever a chunk starts (after a prefix-cache hit or a recompute) and ends."""
-    length, block_size, scale = 150, 16, head_dim**-0.5
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_a_query_attends_the_same_as_a_decode_and_in_any_chunk(decode_kernel, prefill_kernel, heads, kv_heads,
+                                                                head_dim, block_size):
+    """Each pair of kernels that runs together (AVX-512's; AMX's where the CPU has it: `native.paged_decode` and
+    `native.prefill` pick the pair) gives a query the same bits as a decode and in a chunk, wherever the chunk
+    starts (after a prefix-cache hit or a recompute) and ends."""
+    kernels = native.load()
+    decode, prefill = getattr(kernels, decode_kernel), getattr(kernels, prefill_kernel)
+    length, scale = 150, head_dim**-0.5
     k_cache, v_cache, tables = scattered_cache([length], block_size, kv_heads, head_dim, dtype=torch.bfloat16)
     query = torch.randn(length, heads, head_dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    whole = native.prefill(query, k_cache, v_cache, tables[0], 0, block_size, scale, batch_invariant=True)
+    whole = prefill(query, k_cache, v_cache, tables[0], 0, block_size, scale)
     for start, end in [(0, 40), (5, 6), (31, 97), (64, 150), (149, 150)]:
-        chunk = native.prefill(query[start:end], k_cache, v_cache, tables[0], start, block_size, scale,
-                               batch_invariant=True)
+        chunk = prefill(query[start:end], k_cache, v_cache, tables[0], start, block_size, scale)
         assert torch.equal(chunk, whole[start:end]), (start, end)
     positions = [0, 1, 15, 16, 31, 32, 33, 64, 100, 149]  # within, at and past steps of 32 keys
-    decodes = native.paged_decode(query[positions], k_cache, v_cache, tables.expand(len(positions), -1),
-                                  torch.tensor(positions) + 1, block_size, scale)
+    decodes = decode(query[positions], k_cache, v_cache, tables.expand(len(positions), -1),
+                     torch.tensor(positions) + 1, block_size, scale)
     assert torch.equal(decodes, whole[positions])
 
 

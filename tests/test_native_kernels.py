@@ -28,15 +28,20 @@ def test_the_kernels_build_on_a_cpu_that_has_the_instructions():
     assert native.load() is not None, native.unavailable_reason()
 
 
+DECODE_KERNELS = ["paged_decode",
+                  pytest.param("amx_decode", marks=pytest.mark.skipif(not native.cpu_has_amx(), reason="no AMX"))]
+
+
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4), (16, 2)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_paged_decode_matches_the_reference(head_dim, heads, kv_heads, block_size):
+def test_paged_decode_matches_the_reference(kernel, head_dim, heads, kv_heads, block_size):
     lengths = [1, 15, 16, 17, 33, 300]  # within, at and past a tile of 16 keys, and many tiles
     k_cache, v_cache, tables = scattered_cache(lengths, block_size, kv_heads, head_dim)
     query = torch.randn(len(lengths), heads, head_dim).to(torch.bfloat16)
     lens = torch.tensor(lengths)
-    got = native.paged_decode(query, k_cache, v_cache, tables, lens, block_size, head_dim**-0.5)
+    got = getattr(native.load(), kernel)(query, k_cache, v_cache, tables, lens, block_size, head_dim**-0.5)
     slots = cache_slots(tables, block_size)
     want = decode_attention(query.float(), k_cache.float(), v_cache.float(), slots, lens, head_dim**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == query.shape
@@ -54,14 +59,23 @@ def test_paged_decode_reads_a_query_laid_out_as_the_model_gives_it():
     assert torch.equal(got, want)
 
 
-def test_paged_decode_refuses_what_it_does_not_support():
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_paged_decode_refuses_what_it_does_not_support(kernel):
+    decode = getattr(native.load(), kernel)
     k_cache, v_cache, tables = scattered_cache([5], 16, 1, 80)
     with pytest.raises(RuntimeError, match="head_dim 64 and 128, not 80"):
-        native.paged_decode(torch.zeros(1, 1, 80, dtype=torch.bfloat16), k_cache, v_cache, tables, torch.tensor([5]),
-                            16, 0.1)
+        decode(torch.zeros(1, 1, 80, dtype=torch.bfloat16), k_cache, v_cache, tables, torch.tensor([5]), 16, 0.1)
     with pytest.raises(RuntimeError, match="bf16 CPU tensor"):
-        native.paged_decode(torch.zeros(1, 1, 80, dtype=torch.bfloat16), k_cache.float(), v_cache, tables,
-                            torch.tensor([5]), 16, 0.1)
+        decode(torch.zeros(1, 1, 80, dtype=torch.bfloat16), k_cache.float(), v_cache, tables, torch.tensor([5]), 16,
+               0.1)
+    k_cache, v_cache, tables = scattered_cache([20], 16, 2, 64)
+    query = torch.randn(1, 6, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not covered by its 2 blocks"):
+        decode(query, k_cache, v_cache, tables, torch.tensor([33]), 16, 0.1)
+    with pytest.raises(RuntimeError, match="block 1\\d\\d is outside the cache"):
+        decode(query, k_cache, v_cache, tables + 100, torch.tensor([20]), 16, 0.1)
+    with pytest.raises(RuntimeError, match="1 to 8 query heads per KV head, not 18 over 2"):
+        decode(torch.randn(1, 18, 64).to(torch.bfloat16), k_cache, v_cache, tables, torch.tensor([20]), 16, 0.1)
     assert native.why_not(torch.device("cpu"), torch.bfloat16, 10, 2, 80) == "head_dim 80 is not one of (64, 128)"
     assert native.why_not(torch.device("cpu"), torch.bfloat16, 9, 3, 64) is None
 
@@ -221,8 +235,8 @@ def test_cpu_backend_serves_decodes_and_prompt_chunks(head_dim_64_models, family
         calls.append(len(lens))
         return got
 
-    def checked_prefill(query, k_cache, v_cache, table, ctx_start, block_size, scaling, batch_invariant):
-        got = prefill(query, k_cache, v_cache, table, ctx_start, block_size, scaling, batch_invariant)
+    def checked_prefill(query, k_cache, v_cache, table, ctx_start, block_size, scaling):
+        got = prefill(query, k_cache, v_cache, table, ctx_start, block_size, scaling)
         torch.testing.assert_close(got.float(), prefill_reference(query, k_cache, v_cache, table, ctx_start,
                                                                   block_size), **BF16_TOLERANCE)
         chunks.append(ctx_start)

@@ -62,22 +62,7 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
         _tile_loadd(4, weights[0], KEYS * 2);
         for (int64_t group_start = 0; group_start < dim; group_start += 64) {  // four blocks of 16 at a time
           const uint16_t* v = values + (step * (dim / 16) + group_start / 16) * KEY_TILE;
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(0);
-          _tile_zero(5);
-          _tile_loadd(3, v, 64);
-          _tile_dpbf16ps(1, 4, 3);
-          _tile_loadd(6, v + KEY_TILE, 64);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_loadd(7, v + 2 * KEY_TILE, 64);
-          _tile_dpbf16ps(0, 4, 7);
-          _tile_loadd(3, v + 3 * KEY_TILE, 64);
-          _tile_dpbf16ps(5, 4, 3);
-          _tile_stored(1, &values_sum[0][0], 64 * 4);
-          _tile_stored(2, &values_sum[0][16], 64 * 4);
-          _tile_stored(0, &values_sum[0][32], 64 * 4);
-          _tile_stored(5, &values_sum[0][48], 64 * 4);
+          weighted_values(v, values_sum);
           for (int r = 0; r < ROWS; r++) {
             const __m512 ar = _mm512_set1_ps(alpha[r]);
             for (int d = 0; d < 64; d += 16) {

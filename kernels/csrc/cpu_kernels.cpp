@@ -1,11 +1,11 @@
 // bf16 decode kernels for CPUs with AVX-512 BF16 (kernels/native.py builds and loads this file with
-// amx_linear.cpp, avx512_linear.cpp, amx_prefill.cpp, avx512_prefill.cpp, layer_ops.cpp and kv_write.cpp, whose
-// functions it binds too).
+// amx_linear.cpp, avx512_linear.cpp, amx_prefill.cpp, amx_decode.cpp, avx512_prefill.cpp, layer_ops.cpp and
+// kv_write.cpp, whose functions it binds too).
 //
 // - paged_decode: one query token per sequence attends to its keys straight from the paged cache
 //   (through its block table: no gather, no padding, no mask), the query heads of a KV head reading
-//   each key and value once, with avx512_prefill's online softmax (the same bits for a query in either);
-//   one call per layer for every decode of a step.
+//   each key and value once, in avx512_prefill's arithmetic (the same bits for a query in either);
+//   one call per layer for every decode of a step. On AMX, amx_decode takes decodes instead, beside amx_prefill.
 // - small_linear: x @ W.T + b for a few rows, streaming W once at the memory's pace (oneDNN's bf16
 //   kernels run at about two thirds of it at one row).
 //
@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "decode_call.h"
 #include "prefill.h"
 
 namespace {
@@ -168,40 +169,29 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   check_bf16(query, "query");
   check_bf16(k_cache, "k_cache");
   check_bf16(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
-              "block tables and context lengths must be int64");
-  query = query.contiguous();
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
-  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= batcher::kMaxGroup, "unsupported query heads per KV head");
-  TORCH_CHECK(k_cache.size(2) == dim && block_tables.size(0) == batch && context_lens.size(0) == batch,
-              "mismatched shapes");
-  const int group = static_cast<int>(heads / kv_heads);
-  auto out = torch::empty_like(query);
-  const uint16_t* q = bf16_data(query);
+  const batcher::DecodeCall c = batcher::decode_call("paged_decode", query, k_cache, v_cache, block_tables,
+                                                      context_lens, block_size, batcher::kMaxGroup);
+  auto out = torch::empty_like(c.query);
+  const uint16_t* q = bf16_data(c.query);
   const uint16_t* k = bf16_data(k_cache);
   const uint16_t* v = bf16_data(v_cache);
   uint16_t* o = bf16_data(out);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t width = block_tables.size(1), row_stride = kv_heads * dim;
+  const int64_t row_stride = c.kv_heads * c.dim;
   const float s = static_cast<float>(scale);
   auto run = [&](auto head_dim, auto group_size) {
     constexpr int Dc = decltype(head_dim)::value, Gc = decltype(group_size)::value;
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, c.batch * c.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
-        const int64_t b = i / kv_heads, h = i % kv_heads;
-        const int64_t first = (b * heads + h * Gc) * Dc;
-        decode_head<Dc, Gc>(q + first, Dc, k + h * Dc, v + h * Dc, row_stride, tables + b * width, lens[b],
-                            block_size, s, o + first, Dc);
+        const int64_t b = i / c.kv_heads, h = i % c.kv_heads;
+        const int64_t first = (b * c.heads + h * Gc) * Dc;
+        decode_head<Dc, Gc>(q + first, Dc, k + h * Dc, v + h * Dc, row_stride, c.table(b), c.length(b), block_size, s,
+                            o + first, Dc);
       }
     });
   };
   static_assert(batcher::kMaxGroup == 8, "paged_decode instantiates 1 to 8 query heads per KV head");
   auto for_group = [&](auto head_dim) {
-    switch (group) {
+    switch (c.group) {
       case 1: run(head_dim, std::integral_constant<int, 1>{}); break;
       case 2: run(head_dim, std::integral_constant<int, 2>{}); break;
       case 3: run(head_dim, std::integral_constant<int, 3>{}); break;
@@ -210,11 +200,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
       case 6: run(head_dim, std::integral_constant<int, 6>{}); break;
       case 7: run(head_dim, std::integral_constant<int, 7>{}); break;
       case 8: run(head_dim, std::integral_constant<int, 8>{}); break;
-      default: TORCH_CHECK(false, "paged_decode supports 1 to ", batcher::kMaxGroup, " query heads per KV head, not ", group);
     }
   };
-  TORCH_CHECK(dim == 64 || dim == 128, "paged_decode supports head_dim 64 and 128, not ", dim);
-  if (dim == 64) {
+  if (c.dim == 64) {
     for_group(std::integral_constant<int, 64>{});
   } else {
     for_group(std::integral_constant<int, 128>{});
@@ -295,6 +283,9 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
                           int64_t ctx_start, int64_t block_size, double scale);
 torch::Tensor avx512_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_table, int64_t ctx_start, int64_t block_size, double scale);
+// amx_decode.cpp
+torch::Tensor amx_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                         torch::Tensor context_lens, int64_t block_size, double scale);
 // layer_ops.cpp
 void bind_layer_ops(pybind11::module& m);
 void bind_kv_write(pybind11::module& m);
@@ -307,6 +298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "bf16 x @ W.T + b for up to 32 rows of x, on AMX");
   m.def("avx512_linear", &avx512_linear, "bf16 x @ W.T + b for up to 32 rows of x, on AVX-512 over amx_pack's layout");
   m.def("amx_prefill", &amx_prefill, "causal bf16 attention of a prompt chunk over its paged keys, on AMX");
+  m.def("amx_decode", &amx_decode, "bf16 decode attention over the paged KV cache on AMX, in amx_prefill's arithmetic");
   m.def("avx512_prefill", &avx512_prefill, "causal bf16 attention of a prompt chunk over its paged keys, on AVX-512");
   bind_layer_ops(m);
   bind_kv_write(m);

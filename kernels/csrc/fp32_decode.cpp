@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "avx2.h"
+#include "decode_call.h"
 #include "row_cursor.h"
 
 namespace {
@@ -118,43 +119,23 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   check_fp32(query, "query");
   check_fp32(k_cache, "k_cache");
   check_fp32(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes(), "the KV cache must be contiguous, [rows, kv_heads, head_dim]");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
-              "block tables and context lengths must be int64");
-  query = query.contiguous();
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
-  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(dim == 64 || dim == 128, "paged_decode supports head_dim 64 and 128, not ", dim);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "paged_decode supports 1 to ", MAX_GROUP,
-              " query heads per KV head, not ", heads, " over ", kv_heads);
-  TORCH_CHECK(k_cache.size(2) == dim && block_tables.size(0) == batch && context_lens.size(0) == batch,
-              "mismatched shapes");
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t width = block_tables.size(1), rows = k_cache.size(0);
-  for (int64_t b = 0; b < batch; b++)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "context length ", lens[b], " of sequence ", b,
-                " is not covered by its ", width, " blocks");
-  for (int64_t i = 0; i < batch * width; i++)
-    TORCH_CHECK(tables[i] >= 0 && (tables[i] + 1) * block_size <= rows, "block ", tables[i], " is outside the cache");
-  const int group = static_cast<int>(heads / kv_heads);
-  auto out = torch::empty_like(query);
-  const float* q = query.data_ptr<float>();
+  const batcher::DecodeCall c = batcher::decode_call("paged_decode", query, k_cache, v_cache, block_tables,
+                                                      context_lens, block_size, MAX_GROUP);
+  auto out = torch::empty_like(c.query);
+  const float* q = c.query.data_ptr<float>();
   const float* k = k_cache.data_ptr<float>();
   const float* v = v_cache.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
   auto run = [&](auto head_dim) {
     constexpr int D = decltype(head_dim)::value;
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, c.batch, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; b++)
-        decode_sequence<D>(q + b * heads * D, static_cast<int>(kv_heads), group, k, v, tables + b * width, lens[b],
-                           block_size, s, o + b * heads * D);
+        decode_sequence<D>(q + b * c.heads * D, static_cast<int>(c.kv_heads), c.group, k, v, c.table(b), c.length(b),
+                           block_size, s, o + b * c.heads * D);
     });
   };
-  if (dim == 64) {
+  if (c.dim == 64) {
     run(std::integral_constant<int, 64>{});
   } else {
     run(std::integral_constant<int, 128>{});

@@ -153,6 +153,29 @@ inline void transpose_queries(const uint16_t* q_tile, int64_t dim, uint32_t quer
   }
 }
 
+// The AMX kernels' weighted values of a step (amx_prefill, amx_decode): the weights in tile 4 (16 rows x 32 keys,
+// bf16) times the step's four 16-dimension blocks of values at `v` (pack_head's layout), into values_sum [16][64],
+// on tiles 1, 2, 0 and 5 (zeroed first); the value tiles 3, 6 and 7 are rotated so a load need not wait for the
+// product reading the last one.
+inline void weighted_values(const uint16_t* v, float values_sum[][64]) {
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(0);
+  _tile_zero(5);
+  _tile_loadd(3, v, 64);
+  _tile_dpbf16ps(1, 4, 3);
+  _tile_loadd(6, v + KEY_TILE, 64);
+  _tile_dpbf16ps(2, 4, 6);
+  _tile_loadd(7, v + 2 * KEY_TILE, 64);
+  _tile_dpbf16ps(0, 4, 7);
+  _tile_loadd(3, v + 3 * KEY_TILE, 64);
+  _tile_dpbf16ps(5, 4, 3);
+  _tile_stored(1, &values_sum[0][0], 64 * 4);
+  _tile_stored(2, &values_sum[0][16], 64 * 4);
+  _tile_stored(0, &values_sum[0][32], 64 * 4);
+  _tile_stored(5, &values_sum[0][48], 64 * 4);
+}
+
 // The online softmax of a tile's 16 positions (lane r: position first_pos + r).
 struct OnlineSoftmax {
   __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();

@@ -104,8 +104,8 @@ class ModelRunner:
         self.native_decode = backend == ATTENTION_CPU
         # the prefill kernels are bf16's; their head_dims are the decode kernel's
         self.native_prefill = self.native_decode and self.dtype == torch.bfloat16
-        # bf16 steps whose rows do not depend on each other: the linears on one kernel at every row count, and on AMX
-        # prompt chunks on the AVX-512 prefill kernel, whose arithmetic the decode kernel shares
+        # bf16 steps whose rows do not depend on each other: the linears on one kernel at every row count (decodes and
+        # prompt chunks share one attention arithmetic always: `native.paged_decode`)
         self.batch_invariant = False
         if can_pack(self.device, self.dtype):
             few_rows_native = native.load() is not None
@@ -264,7 +264,6 @@ class ModelRunner:
                 block_size=self.block_size,
                 decode_groups=decode_groups,
                 prefills=spans,
-                batch_invariant=self.batch_invariant,
             )
         prompt_rows = [r for _, row, n, _ in prompt_spans for r in range(row, row + n)]
         if not sampling and not embedding_spans and not prompt_rows:
