@@ -45,11 +45,7 @@ void decode_head(const uint16_t* q, int group, const uint16_t* k_cache, const ui
   alignas(64) float values_sum[ROWS][64];
   alignas(64) float acc[MAX_GROUP][D] = {};
   float alpha[MAX_GROUP];
-  __m512 m[MAX_GROUP], l[MAX_GROUP];  // every lane the same
-  for (int g = 0; g < group; g++) {
-    m[g] = _mm512_set1_ps(-INFINITY);
-    l[g] = _mm512_setzero_ps();
-  }
+  KeyLanesSoftmax softmax[MAX_GROUP];
   const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   const __m512i first16 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
   const __m512i last16 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
@@ -120,22 +116,13 @@ void decode_head(const uint16_t* q, int group, const uint16_t* k_cache, const ui
       }
     }
     // OnlineSoftmax's step for each head, its keys in lanes (keys 0-15, 16-31), as the decode kernel runs it.
-    const __mmask16 valid[2] = {static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1),
-                                static_cast<__mmask16>(n <= 16 ? 0 : n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1)};
     for (int g = 0; g < group; g++) {
-      __m512 scaled[2], p[2];
+      __m512 head_scores[2];  // column g of the score tiles
       for (int h = 0; h < 2; h++) {
-        const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(256 * h + g)), &scores[0][0], 4);
-        scaled[h] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[h], s, _mm512_set1_ps(scale));
+        const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32(256 * h + g));
+        head_scores[h] = _mm512_i32gather_ps(at, &scores[0][0], 4);
       }
-      const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(scaled[0], scaled[1]));
-      const __m512 m_new = _mm512_max_ps(m[g], _mm512_set1_ps(step_max));
-      const __m512 a = batcher::exp_ps(_mm512_sub_ps(m[g], m_new));  // ~0 on the first step (m = -inf)
-      for (int h = 0; h < 2; h++) p[h] = _mm512_maskz_mov_ps(valid[h], weight_exp(_mm512_sub_ps(scaled[h], m_new)));
-      l[g] = _mm512_fmadd_ps(l[g], a, sum_lanes(_mm512_add_ps(p[0], p[1])));
-      _mm512_store_si512(weights[g], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-      alpha[g] = _mm512_cvtss_f32(a);
-      m[g] = m_new;
+      alpha[g] = _mm512_cvtss_f32(softmax[g].step(head_scores, n, scale, reinterpret_cast<uint32_t*>(weights[g])));
     }
     for (int t = 0; t < n_next; t++) fetch(v_cache, rows_next[t]);
     _tile_loadd(4, weights[0], KEYS * 2);
@@ -152,7 +139,7 @@ void decode_head(const uint16_t* q, int group, const uint16_t* k_cache, const ui
     }
   }
   for (int g = 0; g < group; g++) {
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_cvtss_f32(l[g]));
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_cvtss_f32(softmax[g].l));
     for (int d = 0; d < D; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + d),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&acc[g][d]), inv)));

@@ -27,7 +27,6 @@ namespace {
 
 using batcher::bf16_data;
 using batcher::check_bf16;
-using batcher::exp_ps;
 using batcher::RowCursor;
 using batcher::transpose16;
 using batcher::prefill::KEYS;
@@ -56,12 +55,10 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
   constexpr int VC = D / 16;    // fp32 vectors of an output row
   const int32_t* q_pairs[group];
   __m512 acc[group][VC];
-  __m512 m[group], l[group];  // every lane the same: the prefill kernels' per-position vectors, one lane used
+  batcher::prefill::KeyLanesSoftmax softmax[group];
   for (int g = 0; g < group; g++) {
     q_pairs[g] = reinterpret_cast<const int32_t*>(q + g * q_head_stride);
     for (int c = 0; c < VC; c++) acc[g][c] = _mm512_setzero_ps();
-    m[g] = _mm512_set1_ps(-INFINITY);
-    l[g] = _mm512_setzero_ps();
   }
   alignas(64) uint32_t weight_pairs[group][KEYS / 2];  // a step's weights in bf16, key pairs (2j low, 2j + 1 high)
   // The rows of this step and of the next. The next step's lines are asked for ahead (into L2: summarise 1.05-1.12x
@@ -118,21 +115,9 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
         if (key_halves == 2) s[g][1] = _mm512_dpbf16_ps(s[g][1], qp, (__m512bh)keys_t[1][p]);
       }
     }
-    const __mmask16 valid[2] = {static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1),
-                                static_cast<__mmask16>(n <= 16 ? 0 : n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1)};
     for (int g = 0; g < group; g++) {
-      __m512 scaled[2], p[2];
-      for (int h = 0; h < 2; h++)
-        scaled[h] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[h], s[g][h], _mm512_set1_ps(scale));
-      const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(scaled[0], scaled[1]));
-      const __m512 m_new = _mm512_max_ps(m[g], _mm512_set1_ps(step_max));
-      const __m512 alpha = exp_ps(_mm512_sub_ps(m[g], m_new));  // ~0 on the first step (m = -inf)
-      for (int h = 0; h < 2; h++)
-        p[h] = _mm512_maskz_mov_ps(valid[h], batcher::prefill::weight_exp(_mm512_sub_ps(scaled[h], m_new)));
-      l[g] = _mm512_fmadd_ps(l[g], alpha, batcher::prefill::sum_lanes(_mm512_add_ps(p[0], p[1])));
-      _mm512_store_si512(weight_pairs[g], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+      const __m512 alpha = softmax[g].step(s[g], n, scale, weight_pairs[g]);
       for (int c = 0; c < VC; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], alpha);
-      m[g] = m_new;
     }
     int fetched = 0;
     for (int kp = 0; kp < (n + 1) / 2; kp++) {  // pairs past the end weigh 0: the prefill kernels' products add 0
@@ -155,7 +140,7 @@ void decode_head(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_cac
     for (; fetched < n_next; fetched++) fetch(v_cache, rows_next[fetched]);
   }
   for (int g = 0; g < group; g++) {
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[g]);
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), softmax[g].l);
     for (int c = 0; c < VC; c++) {
       const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * out_head_stride + 16 * c), (__m256i)packed);

@@ -153,6 +153,31 @@ inline void transpose_queries(const uint16_t* q_tile, int64_t dim, uint32_t quer
   }
 }
 
+// The online softmax of one query, a step's 32 keys in two vectors (keys 0-15, 16-31): the decode kernels' layout
+// (paged_decode, amx_decode). OnlineSoftmax's operations for one of its lanes (the weights' sum in sum_lanes' tree),
+// so a query's running maximum, sum and weights are the same bits in either layout.
+struct KeyLanesSoftmax {
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();  // every lane the same
+
+  // One step of `n` keys (the rest hidden): writes their weights in bf16, in key order (key pairs 2j, 2j + 1 in
+  // dword j, 64-byte aligned), and returns what the running sums scale by (every lane the same).
+  __m512 step(const __m512 scores[2], int n, float scale, uint32_t weights[KEYS / 2]) {
+    const __mmask16 valid[2] = {static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1),
+                                static_cast<__mmask16>(n <= 16 ? 0 : n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1)};
+    __m512 scaled[2], p[2];
+    for (int h = 0; h < 2; h++)
+      scaled[h] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[h], scores[h], _mm512_set1_ps(scale));
+    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(scaled[0], scaled[1]));
+    const __m512 m_new = _mm512_max_ps(m, _mm512_set1_ps(step_max));
+    const __m512 alpha = exp_ps(_mm512_sub_ps(m, m_new));  // ~0 on the first step (m = -inf)
+    for (int h = 0; h < 2; h++) p[h] = _mm512_maskz_mov_ps(valid[h], weight_exp(_mm512_sub_ps(scaled[h], m_new)));
+    l = _mm512_fmadd_ps(l, alpha, sum_lanes(_mm512_add_ps(p[0], p[1])));
+    _mm512_store_si512(weights, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+    m = m_new;
+    return alpha;
+  }
+};
+
 // The AMX kernels' weighted values of a step (amx_prefill, amx_decode): the weights in tile 4 (16 rows x 32 keys,
 // bf16) times the step's four 16-dimension blocks of values at `v` (pack_head's layout), into values_sum [16][64],
 // on tiles 1, 2, 0 and 5 (zeroed first); the value tiles 3, 6 and 7 are rotated so a load need not wait for the
