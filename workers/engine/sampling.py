@@ -64,6 +64,30 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[tuple[t
     logits.index_put_((which, ids), values, accumulate=True)
 
 
+# Logits a row's first pass reduces at once (`first_maxima`): 128 took 0.19 ms over 32 rows of a 49k vocabulary,
+# 16 took 2.1 ms (AMD EPYC Zen 4, one thread)
+FIRST_MAX_SPAN = 128
+
+
+def first_maxima(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum's index, as `logits.max(dim=-1).indices` gives it. On a CPU, torch's max with indices
+    walks a row one value at a time (1.3-1.7 ms over 32 rows of a 49k vocabulary, AMD EPYC Zen 4); here two vectorised
+    passes find it instead: each span of FIRST_MAX_SPAN logits' maximum, then, in the first span that holds the row's
+    maximum, the first logit equal to it. A row holding a NaN (torch's max picks its index), a vocabulary of no whole
+    spans, or another device keeps torch's max."""
+    rows, vocab = logits.shape
+    if not logits.is_cpu or vocab % FIRST_MAX_SPAN:
+        return logits.max(dim=-1).indices
+    spans = logits.reshape(rows, vocab // FIRST_MAX_SPAN, FIRST_MAX_SPAN)
+    span_max = spans.amax(dim=-1)
+    row_max = span_max.amax(dim=-1, keepdim=True)
+    if torch.isnan(row_max).any():
+        return logits.max(dim=-1).indices
+    span = (span_max == row_max).to(torch.uint8).argmax(dim=-1)  # argmax: the first of equals
+    within = (spans[torch.arange(rows), span] == row_max).to(torch.uint8).argmax(dim=-1)
+    return span * FIRST_MAX_SPAN + within
+
+
 def top_k_top_p_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row filtered probabilities over the vocabulary sorted by descending logit.
@@ -199,9 +223,7 @@ class Sampler:
         if not seqs:
             return []
         self.adjust(logits, seqs)
-        # max's indices are argmax's (the first maximum, too), and twice as fast on CPU: 2 ms against 3.4 ms
-        # over 32 rows of a 49k vocabulary
-        tokens = logits.max(dim=-1).indices.tolist()
+        tokens = first_maxima(logits).tolist()
         rows = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
         if not rows:
             return tokens
