@@ -42,7 +42,6 @@ void decode_head(const uint16_t* q, int group, const uint16_t* k_cache, const ui
   alignas(64) uint16_t values[KEYS * D];  // the step's values in pack_head's layout
   alignas(64) float scores[KEYS][ROWS];
   alignas(64) uint16_t weights[ROWS][KEYS] = {};  // a row per head (zeros past group)
-  alignas(64) float values_sum[ROWS][64];
   alignas(64) float acc[MAX_GROUP][D] = {};
   float alpha[MAX_GROUP];
   KeyLanesSoftmax softmax[MAX_GROUP];
@@ -128,14 +127,7 @@ void decode_head(const uint16_t* q, int group, const uint16_t* k_cache, const ui
     _tile_loadd(4, weights[0], KEYS * 2);
     for (int group_start = 0; group_start < D; group_start += 64) {  // amx_prefill's products and sums
       const uint16_t* v = values + (group_start / 16) * KEY_TILE;
-      weighted_values(v, values_sum);
-      for (int g = 0; g < group; g++) {
-        const __m512 ag = _mm512_set1_ps(alpha[g]);
-        for (int d = 0; d < 64; d += 16) {
-          float* target = &acc[g][group_start + d];
-          _mm512_store_ps(target, _mm512_fmadd_ps(_mm512_load_ps(target), ag, _mm512_load_ps(&values_sum[g][d])));
-        }
-      }
+      add_weighted_values(v, group, alpha, &acc[0][group_start], D);
     }
   }
   for (int g = 0; g < group; g++) {

@@ -32,7 +32,6 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
     alignas(64) uint32_t queries_t[4 * PAIRS][16];  // the tile's queries, transposed: dimension pairs x positions
     alignas(64) float scores[KEYS][ROWS];          // transposed: a row per key, a column per position
     alignas(64) uint16_t weights[ROWS][KEYS];
-    alignas(64) float values_sum[ROWS][64];  // one group of four 16-dimension blocks of weights x values
     alignas(64) float acc[ROWS][128];
     alignas(64) float alpha[ROWS];
     for (int64_t unit = begin; unit < end; unit++) {
@@ -62,14 +61,7 @@ torch::Tensor amx_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Ten
         _tile_loadd(4, weights[0], KEYS * 2);
         for (int64_t group_start = 0; group_start < dim; group_start += 64) {  // four blocks of 16 at a time
           const uint16_t* v = values + (step * (dim / 16) + group_start / 16) * KEY_TILE;
-          weighted_values(v, values_sum);
-          for (int r = 0; r < ROWS; r++) {
-            const __m512 ar = _mm512_set1_ps(alpha[r]);
-            for (int d = 0; d < 64; d += 16) {
-              float* target = &acc[r][group_start + d];
-              _mm512_store_ps(target, _mm512_fmadd_ps(_mm512_load_ps(target), ar, _mm512_load_ps(&values_sum[r][d])));
-            }
-          }
+          add_weighted_values(v, ROWS, alpha, &acc[0][group_start], 128);
         }
       }
       alignas(64) float sums[ROWS];

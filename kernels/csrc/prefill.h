@@ -178,11 +178,13 @@ struct KeyLanesSoftmax {
   }
 };
 
-// The AMX kernels' weighted values of a step (amx_prefill, amx_decode): the weights in tile 4 (16 rows x 32 keys,
-// bf16) times the step's four 16-dimension blocks of values at `v` (pack_head's layout), into values_sum [16][64],
-// on tiles 1, 2, 0 and 5 (zeroed first); the value tiles 3, 6 and 7 are rotated so a load need not wait for the
-// product reading the last one.
-inline void weighted_values(const uint16_t* v, float values_sum[][64]) {
+// The AMX kernels' weighted values of a step (amx_prefill, amx_decode), added to their running outputs: the weights in
+// tile 4 (16 rows x 32 keys, bf16) times the step's four 16-dimension blocks of values at `v` (pack_head's layout),
+// on tiles 1, 2, 0 and 5 (zeroed first; the value tiles 3, 6 and 7 are rotated so a load need not wait for the
+// product reading the last one); then for each of the first `rows` rows, its 64 dimensions at `acc + r * acc_stride`
+// become acc * alpha[r] + its weighted values, one FMA a lane, so either kernel rounds a query's output alike.
+inline void add_weighted_values(const uint16_t* v, int rows, const float* alpha, float* acc, int64_t acc_stride) {
+  alignas(64) float values_sum[16][64];
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(0);
@@ -199,6 +201,13 @@ inline void weighted_values(const uint16_t* v, float values_sum[][64]) {
   _tile_stored(2, &values_sum[0][16], 64 * 4);
   _tile_stored(0, &values_sum[0][32], 64 * 4);
   _tile_stored(5, &values_sum[0][48], 64 * 4);
+  for (int r = 0; r < rows; r++) {
+    const __m512 ar = _mm512_set1_ps(alpha[r]);
+    for (int d = 0; d < 64; d += 16) {
+      float* target = acc + r * acc_stride + d;
+      _mm512_store_ps(target, _mm512_fmadd_ps(_mm512_load_ps(target), ar, _mm512_load_ps(&values_sum[r][d])));
+    }
+  }
 }
 
 // The online softmax of a tile's 16 positions (lane r: position first_pos + r).
