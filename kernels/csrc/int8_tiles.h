@@ -9,7 +9,7 @@
 // - `finish<R>(o, row, n, acc)`: y's R rows from `row`, outputs n.. of one vector: acc * wscale + bias, stored.
 // Every variant computes the same integer block sums and float operations per output, so they give the same bits.
 
-// y[r][16 t .. 16 t + 16) for R rows of x from `row` (r < R) and W's tile t. With `prefetch` (the tile's first
+// y[r][16 t .. 16 t + 16) for R rows of x from `row` (r < R) and W's tile t. With PREFETCH (the tile's first
 // pass), each step also asks L2 for the cache line `ahead` bytes ahead: the hardware prefetchers alone streamed a
 // weight that does not fit the caches at ~0.6x the pace (the 49152 x 576 LM head at one row, AMD EPYC Zen 4). Asked
 // of L1 instead, SmolLM2's weights streamed at 0.8-0.85x the pace at 4-8 rows, the same at one.
