@@ -16,6 +16,7 @@ from transformers.pytorch_utils import Conv1D
 from rqbatcher.cli.options import engine_options
 from rqbatcher.config import QUANTIZATIONS, EngineConfig
 from rqbatcher.kernels import native
+from rqbatcher.workers.model import int8_linear
 from rqbatcher.workers.model.fused_decoder import why_not
 from rqbatcher.workers.model.int8_linear import (
     QUANT_BLOCK,
@@ -48,6 +49,23 @@ def weights_and_input(out_features=70, features=100, rows=9):
     x = randn(rows, features, seed=2) * torch.logspace(-1, 2, rows)[:, None]
     x[3] = 0
     return weight, x, randn(out_features, seed=3)
+
+
+@pytest.mark.parametrize("layout", ["float32", "bfloat16", "transposed"])
+def test_quantize_weight_gives_the_same_bits_whatever_rows_it_takes_at_once(monkeypatch, layout):
+    """A weight is quantized a few rows at a time (WEIGHT_CHUNK_ELEMENTS): each row's clip and integers depend on
+    that row alone, so chunks of any size (an uneven last one too) give one quantization's bits."""
+    weight, _, _ = weights_and_input()
+    if layout == "bfloat16":
+        weight = weight.bfloat16()
+    elif layout == "transposed":  # GPT-2's Conv1D weight, quantized as its transpose (a strided view)
+        weight = weight.t().contiguous().t()
+    monkeypatch.setattr(int8_linear, "WEIGHT_CHUNK_ELEMENTS", weight.numel())
+    whole = quantize_weight(weight)
+    monkeypatch.setattr(int8_linear, "WEIGHT_CHUNK_ELEMENTS", 3 * weight.shape[1])  # 70 rows: 23 of 3, then 1
+    chunked = quantize_weight(weight)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert chunked[0].is_contiguous() and chunked[0].dtype == torch.int8
 
 
 def test_quantize_weight_round_trips_within_half_a_step_per_channel_inside_its_clip():
