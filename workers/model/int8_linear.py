@@ -69,7 +69,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         quantized, scale = _scale_and_quantize(rows, weight_clip(rows))
         qweight.append(quantized.to(torch.int8))
         wscale.append(scale)
-    return torch.cat(qweight).contiguous(), torch.cat(wscale)
+    return torch.cat(qweight), torch.cat(wscale)
 
 
 def weight_clip(rows: torch.Tensor) -> torch.Tensor:
