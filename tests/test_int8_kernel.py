@@ -97,7 +97,8 @@ def test_int8_linear_matches_the_reference(rows, K, N, with_bias, isa):
 def test_it_gives_the_torch_references_bits(isa):
     """The same operations in the same order as the model's reference: the bits, not only the values, agree, for
     fp32 x and for bf16 x (whose result is the reference's rounded to bf16)."""
-    for rows, K, N in ((1, 576, 37), (4, 64, 16), (5, 33, 9), (70, 300, 101), (130, 1536, 24), (3, 7, 5)):
+    for rows, K, N in ((1, 576, 37), (1, 100, 64), (1, 576, 150), (4, 64, 16), (5, 33, 9), (70, 300, 101),
+                       (130, 1536, 24), (3, 7, 5)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + 2 * K + N)
         for b in (bias, None):
             assert torch.equal(kernel(x, qweight, wscale, b, isa), int8_linear_reference(x, qweight, wscale, b))
@@ -203,6 +204,7 @@ def test_the_threads_do_not_change_the_bits():
         torch.set_num_threads(2)
         assert torch.equal(kernel(x, qweight, wscale, bias), one)
         assert torch.equal(kernel(x[:3], qweight, wscale, bias), one[:3])
+        assert torch.equal(kernel(x[:1], qweight, wscale, bias), one[:1])  # tiles side by side, split by thread
     finally:
         torch.set_num_threads(threads)
 
