@@ -195,16 +195,17 @@ def test_a_rows_bits_do_not_depend_on_its_batch():
             assert torch.equal(kernel(x[picked], qweight, wscale, bias), alone[picked]), size
 
 
-def test_the_threads_do_not_change_the_bits():
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_the_threads_do_not_change_the_bits(isa):
     threads = torch.get_num_threads()
     x, qweight, wscale, bias = operands(70, 300, 1001, seed=13)
     try:
         torch.set_num_threads(1)
-        one = kernel(x, qweight, wscale, bias)
+        one = kernel(x, qweight, wscale, bias, isa)
         torch.set_num_threads(2)
-        assert torch.equal(kernel(x, qweight, wscale, bias), one)
-        assert torch.equal(kernel(x[:3], qweight, wscale, bias), one[:3])
-        assert torch.equal(kernel(x[:1], qweight, wscale, bias), one[:1])  # tiles side by side, split by thread
+        assert torch.equal(kernel(x, qweight, wscale, bias, isa), one)
+        assert torch.equal(kernel(x[:3], qweight, wscale, bias, isa), one[:3])
+        assert torch.equal(kernel(x[:1], qweight, wscale, bias, isa), one[:1])  # AVX2: tiles side by side, split
     finally:
         torch.set_num_threads(threads)
 
