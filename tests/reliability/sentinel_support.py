@@ -1,5 +1,11 @@
 """A Redis Sentinel deployment of our own for the failover tests: a primary with AOF, one replica and three
-sentinels (quorum 2, down-after 1 s), all redis-server processes on free loopback ports."""
+sentinels (quorum 2, down-after 1 s), all redis-server processes on free loopback ports.
+
+The sentinels enter TILT only after a stall of TILT_TRIGGER_MS, not Sentinel's 2 s. A sentinel whose timer stalls
+past the trigger (a loaded or paused host) acts on nothing for 30 s; by then the replica's link to the dead primary
+has been down longer than 10 x down-after, so Sentinel never promotes it: with down-after 1 s, no failover at all
+(reproduced by SIGSTOPping the sentinels for 2.5 s after a kill: `test_failover.py`). A production down-after of 30 s
+leaves 300 s of room. This was the likely cause of one CI run's "no failover"; sentinel logs now come with it."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ SERVICE = "batcher-ha"
 QUORUM = 2
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
+TILT_TRIGGER_MS = 10_000  # Sentinel's own: 2000 (SENTINEL DEBUG, Redis >= 7.0)
 AOF = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 
@@ -50,6 +57,8 @@ class SentinelCluster:
             self.sentinels.append(subprocess.Popen(["redis-server", str(config), "--sentinel"], stdout=log,
                                                    stderr=subprocess.STDOUT))
         self.wait_sentinels_agree(self.nodes[0])
+        for port in self.sentinel_ports:
+            Redis(port=port).execute_command("SENTINEL", "DEBUG", "tilt-trigger", TILT_TRIGGER_MS)
         return self
 
     def primary(self) -> RedisServer:
@@ -103,8 +112,16 @@ class SentinelCluster:
             new = self.primary()
             if new is not old:
                 return new
-            assert time.monotonic() < deadline, "no failover"
+            assert time.monotonic() < deadline, f"no failover; the sentinels' logs end:\n{self.log_tails()}"
             time.sleep(0.05)
+
+    def log_tails(self, lines: int = 15) -> str:
+        tails = []
+        for i in range(len(self.sentinel_ports)):
+            log = (self.directory / f"sentinel{i}" / "sentinel.log").read_text().splitlines()
+            events = [line for line in log if "saved on disk" not in line]
+            tails.append(f"sentinel{i}:\n" + "\n".join(events[-lines:]))
+        return "\n".join(tails)
 
     def rejoin(self, node: RedisServer) -> None:
         """Restart a killed node; the sentinels make it a replica of the new primary."""
