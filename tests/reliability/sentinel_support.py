@@ -5,7 +5,7 @@ The sentinels enter TILT only after a stall of TILT_TRIGGER_MS, not Sentinel's 2
 past the trigger (a loaded or paused host) acts on nothing for 30 s; by then the replica's link to the dead primary
 has been down longer than 10 x down-after, so Sentinel never promotes it: with down-after 1 s, no failover at all
 (reproduced by SIGSTOPping the sentinels for 2.5 s after a kill: `test_failover.py`). A production down-after of 30 s
-leaves 300 s of room. This was the likely cause of one CI run's "no failover"; sentinel logs now come with it."""
+leaves 300 s of room."""
 
 from __future__ import annotations
 
