@@ -35,7 +35,8 @@
 // Order of the work: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with zeros,
 // one scale and one sum per block, those of 8 rows side by side: `Quantized`). W is streamed once, a tile at a time,
 // each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 8
-// on AVX-512's 32; ROW_CHUNK rows at most per pass over W, so a prefill's scratch stays in L2). Threads split the tiles
+// on AVX-512's 32; on AVX-512 a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES); ROW_CHUNK rows at most
+// per pass over W, so a prefill's scratch stays in L2. Threads split the tiles
 // (at::parallel_for).
 // The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
@@ -77,10 +78,16 @@ static_assert(BLOCK == 32, "a block is one 256-bit vector of int8");
 constexpr int TILE = INT8_TILE;     // kernels/build.py's INT8_TILE: outputs per packed tile
 static_assert(TILE == 16, "a tile is two 256-bit vectors of 4 bytes of K for 8 outputs each");
 constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
-constexpr int64_t PREFETCH = 8192;  // bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x
-// and for one (a lone stream's decode): its step 0.91x that at 8 KB (five alternated pairs, AMD EPYC Zen 4), where
-// 3 KB took 0.97-1.0x 8 KB's tokens/s on skew-small (4-32 rows)
+// Bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x (a pass of several tiles: the same line of
+// the next tiles). Until 2026-12-06 a template parameter of the same name hid this constant in int8_tiles.h, so those
+// passes asked for the line they were reading: asked 8 KB ahead, 8-32 rows of SmolLM2's weights took 0.69-0.86x the
+// time and skew-small in int8 ran 1.35-1.40x faster (AMD EPYC Zen 5); 4 KB 1.1x the time of 8, 16 KB the same.
+constexpr int64_t PREFETCH = 8192;
+// and for one (a lone stream's decode): its step 0.91x that at 8 KB (five alternated pairs, AMD EPYC Zen 4)
 constexpr int64_t PREFETCH_ONE_ROW = 3072;
+// Rows of x from which a pass reads PASS_TILES tiles side by side (a prompt chunk; a decode step's few rows are bound
+// by the memory, where 3 tiles at 8-16 rows took 1.2-1.5x the time of one, AMD EPYC Zen 5).
+constexpr int64_t PASS_TILES_MIN_ROWS = 32;
 constexpr int64_t GRAIN = 96;       // outputs per task where torch runs several threads
 constexpr int64_t QUANT_GRAIN = 16; // rows of x per quantizing task
 constexpr int AMX_ROWS = 16;        // rows of x per AMX tile product
@@ -195,6 +202,8 @@ namespace avx2 {
 constexpr int X_ROWS = 2;   // rows of x per pass: 8 sums and accumulators of AVX2's 16 registers
 constexpr int VECTORS = 2;  // 8 outputs a vector
 constexpr int ONE_ROW_TILES = 4;  // 1.1-1.2x the pace of one at a time (AMD EPYC Zen 1), 8 sums in 16 registers
+constexpr int PASS_TILES = 1;  // a tile a pass at every row count
+constexpr int PASS_ROWS = X_ROWS;
 using Sums = __m256i;
 using Floats = __m256;
 inline Sums block_start(const int32_t*) { return _mm256_setzero_si256(); }
@@ -246,6 +255,12 @@ constexpr int VECTORS = 1;  // 16 outputs a vector
 // A tile at a time: one row streams W at the memory's pace (~26 GB/s, AMD EPYC Zen 4), where 4 tiles side by side
 // (no software prefetch) took 1.33-1.71x the time.
 constexpr int ONE_ROW_TILES = 1;
+// From PASS_TILES_MIN_ROWS rows, passes of 4 rows over 3 tiles (12 sums and accumulators): each broadcast of x feeds
+// 3 vpdpbusd, where the 8-row pass spent one broadcast a vpdpbusd. A prompt chunk's linears (512 rows) then took 0.83x
+// the time (5.4 against 4.5 G vpdpbusd/s, AMD EPYC Zen 5, which issues two a cycle); 2 tiles 0.85x; 8 rows over 2
+// tiles spilled the registers (1.2x).
+constexpr int PASS_TILES = 3;
+constexpr int PASS_ROWS = 4;
 using Sums = __m512i;
 using Floats = __m512;
 inline Sums block_start(const int32_t* offset) {

@@ -7,128 +7,109 @@
 // - `dot(sum, w, four)`: `sum` plus, in lane j, the exact dot of x's 4 bytes `four` with output j's 4 bytes of w;
 // - `add_block(acc, sum, sx)`: acc + (the sums as fp32) * sx, each operation rounded (no FMA);
 // - `finish<R>(o, row, n, acc)`: y's R rows from `row`, outputs n.. of one vector: acc * wscale + bias, stored.
-// - ONE_ROW_TILES: W's tiles that one row of x reads side by side (`one_row_tiles`), or 1: a tile at a time.
+// - ONE_ROW_TILES: W's tiles that one row of x reads side by side, or 1: a tile at a time;
+// - PASS_TILES, PASS_ROWS: the tiles and rows of x a pass takes from PASS_TILES_MIN_ROWS rows (else 1 and X_ROWS).
 // Every variant computes the same integer block sums and float operations per output, so they give the same bits.
 
-// y[r][16 t .. 16 t + 16) for R rows of x from `row` (r < R) and W's tile t. With PREFETCH (the tile's first
-// pass), each step also asks L2 for the cache line `ahead` bytes ahead: the hardware prefetchers alone streamed a
-// weight that does not fit the caches at ~0.6x the pace (the 49152 x 576 LM head at one row, AMD EPYC Zen 4). Asked
-// of L1 instead, SmolLM2's weights streamed at 0.8-0.85x the pace at 4-8 rows, the same at one.
+// y[r][16 t .. 16 (t + T)) for R rows of x from `row` (r < R) and W's T tiles from t, read side by side: each of x's
+// broadcasts feeds T dots. With FIRST_PASS (the tiles' first pass), each step also asks L2 for each tile's cache line
+// `ahead` bytes ahead: the hardware prefetchers alone streamed a weight that does not fit the caches at ~0.6x the
+// pace (the 49152 x 576 LM head at one row, AMD EPYC Zen 4). Asked of L1 instead, SmolLM2's weights streamed at
+// 0.8-0.85x the pace at 4-8 rows, the same at one.
 static_assert(GROUP % X_ROWS == 0 && ROW_CHUNK % GROUP == 0, "each pass's rows lie in one group of `Quantized`");
-template <int R, bool PREFETCH>
+template <int R, int T, bool FIRST_PASS>
 inline void dot_rows(const Operands& o, int64_t row, int64_t t) {
-  Floats acc[R][VECTORS];
+  Floats acc[R][T][VECTORS];
   for (int r = 0; r < R; r++)
-    for (int v = 0; v < VECTORS; v++) acc[r][v] = Floats{};
+    for (int j = 0; j < T; j++)
+      for (int v = 0; v < VECTORS; v++) acc[r][j][v] = Floats{};
   const int8_t* qx = o.x.q.data() + row * o.x.stride;
   const float* sx = o.x.scale.data() + o.x.at(row, 0);  // block b of row + r: sx[GROUP * b + r]
   const int32_t* offset = o.x.offset.data() + o.x.at(row, 0);
-  const uint8_t* w = o.w + t * o.tile_bytes;  // read front to back: 64 bytes (one cache line) a step
-  constexpr int64_t ahead = R == 1 ? PREFETCH_ONE_ROW : PREFETCH;
+  const uint8_t* w = o.w + t * o.tile_bytes;  // each tile read front to back: 64 bytes (one cache line) a step
+  const int64_t ahead = R == 1 ? PREFETCH_ONE_ROW : T == 1 ? PREFETCH : T * o.tile_bytes;  // T: the next T tiles'
   for (int64_t b = 0; b < o.x.blocks; b++) {
-    Sums sum[R][VECTORS];
+    Sums sum[R][T][VECTORS];
     for (int r = 0; r < R; r++)
-      for (int v = 0; v < VECTORS; v++) sum[r][v] = block_start(offset + GROUP * b + r);
-    for (int step = 0; step < BLOCK / 4; step++, w += 64) {  // 4 bytes of K for 16 outputs
-      if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T1);  // (past W: a no-op)
-      Sums wv[VECTORS];
-      for (int v = 0; v < VECTORS; v++) wv[v] = load_w(w + 64 / VECTORS * v);
+      for (int j = 0; j < T; j++)
+        for (int v = 0; v < VECTORS; v++) sum[r][j][v] = block_start(offset + GROUP * b + r);
+    for (int step = 0; step < BLOCK / 4; step++, w += 64) {  // 4 bytes of K for 16 outputs a tile
+      Sums wv[T][VECTORS];
+      for (int j = 0; j < T; j++) {
+        const uint8_t* tile = w + j * o.tile_bytes;
+        if (FIRST_PASS) _mm_prefetch(reinterpret_cast<const char*>(tile + ahead), _MM_HINT_T1);  // (past W: a no-op)
+        for (int v = 0; v < VECTORS; v++) wv[j][v] = load_w(tile + 64 / VECTORS * v);
+      }
       for (int r = 0; r < R; r++) {
         int32_t four;
         std::memcpy(&four, qx + r * o.x.stride + b * BLOCK + 4 * step, 4);
-        for (int v = 0; v < VECTORS; v++) sum[r][v] = dot(sum[r][v], wv[v], four);
+        for (int j = 0; j < T; j++)
+          for (int v = 0; v < VECTORS; v++) sum[r][j][v] = dot(sum[r][j][v], wv[j][v], four);
       }
     }
     for (int r = 0; r < R; r++)  // the reference's order: the block's scaled sum, then added
-      for (int v = 0; v < VECTORS; v++) acc[r][v] = add_block(acc[r][v], sum[r][v], sx[GROUP * b + r]);
+      for (int j = 0; j < T; j++)
+        for (int v = 0; v < VECTORS; v++) acc[r][j][v] = add_block(acc[r][j][v], sum[r][j][v], sx[GROUP * b + r]);
   }
-  for (int v = 0; v < VECTORS; v++) {
-    const int64_t n = TILE * t + TILE / VECTORS * v;
-    if (n >= o.N) break;  // the tile's padding past N
-    Floats out[R];
-    for (int r = 0; r < R; r++) out[r] = acc[r][v];
-    finish<R>(o, row, n, out);
-  }
+  for (int j = 0; j < T; j++)
+    for (int v = 0; v < VECTORS; v++) {
+      const int64_t n = TILE * (t + j) + TILE / VECTORS * v;
+      if (n >= o.N) break;  // the tile's padding past N
+      Floats out[R];
+      for (int r = 0; r < R; r++) out[r] = acc[r][j][v];
+      finish<R>(o, row, n, out);
+    }
 }
 
 // `dot_rows` with its prefetch chosen once a pass: a test of it at every step cost 2-3% of the time at 32-512 rows
 // (AMD EPYC Zen 4).
-template <int R>
-inline void dot_tile(const Operands& o, int64_t row, int64_t t, bool prefetch) {
-  if (prefetch)
-    dot_rows<R, true>(o, row, t);
+template <int R, int T>
+inline void dot_tiles(const Operands& o, int64_t row, int64_t t, bool first_pass) {
+  if (first_pass)
+    dot_rows<R, T, true>(o, row, t);
   else
-    dot_rows<R, false>(o, row, t);
+    dot_rows<R, T, false>(o, row, t);
 }
 
 // The rows from `r` to `end` (fewer than 2 R) in passes of R, R / 2, ... 1 rows.
-template <int R>
-inline void rest(const Operands& o, int64_t r, int64_t end, int64_t t, bool prefetch) {
+template <int R, int T>
+inline void rest(const Operands& o, int64_t r, int64_t end, int64_t t, bool first_pass) {
   if (r + R <= end) {
-    dot_tile<R>(o, r, t, prefetch);
+    dot_tiles<R, T>(o, r, t, first_pass);
     r += R;
-    prefetch = false;
+    first_pass = false;
   }
-  if constexpr (R > 1) rest<R / 2>(o, r, end, t, prefetch);
+  if constexpr (R > 1) rest<R / 2, T>(o, r, end, t, first_pass);
 }
 
-// Rows [begin, end) of x against W's tile t, which stays in the cache between passes.
+// Rows [begin, end) of x against W's T tiles from t, which stay in the cache between passes.
+template <int T>
 inline void all_rows(const Operands& o, int64_t begin, int64_t end, int64_t t) {
+  constexpr int R = T == 1 ? X_ROWS : PASS_ROWS;
   int64_t r = begin;
-  for (; r + X_ROWS <= end; r += X_ROWS) dot_tile<X_ROWS>(o, r, t, r == begin);
-  rest<X_ROWS / 2>(o, r, end, t, r == begin);
+  for (; r + R <= end; r += R) dot_tiles<R, T>(o, r, t, r == begin);
+  rest<R / 2, T>(o, r, end, t, r == begin);
 }
 
-// y's one row (x has one row) for W's tiles t .. t + S, read side by side: S streams of memory, the block's dots of
-// each tile summed and scaled as `dot_rows<1>` sums and scales them, so the same bits. One core of an AMD EPYC Zen 1
-// read W at ~6-7 GB/s as one stream, with or without software prefetch, and at ~9-10 GB/s as 4-8 streams.
-template <int S>
-inline void one_row_tiles(const Operands& o, int64_t t) {
-  Floats acc[S][VECTORS];
-  for (int s = 0; s < S; s++)
-    for (int v = 0; v < VECTORS; v++) acc[s][v] = Floats{};
-  const int8_t* qx = o.x.q.data();
-  const float* sx = o.x.scale.data() + o.x.at(0, 0);
-  const int32_t* offset = o.x.offset.data() + o.x.at(0, 0);
-  const uint8_t* w = o.w + t * o.tile_bytes;
-  for (int64_t b = 0; b < o.x.blocks; b++) {
-    Sums sum[S][VECTORS];
-    for (int s = 0; s < S; s++)
-      for (int v = 0; v < VECTORS; v++) sum[s][v] = block_start(offset + GROUP * b);
-    for (int step = 0; step < BLOCK / 4; step++, w += 64) {
-      int32_t four;
-      std::memcpy(&four, qx + b * BLOCK + 4 * step, 4);
-      for (int s = 0; s < S; s++)
-        for (int v = 0; v < VECTORS; v++)
-          sum[s][v] = dot(sum[s][v], load_w(w + s * o.tile_bytes + 64 / VECTORS * v), four);
-    }
-    for (int s = 0; s < S; s++)
-      for (int v = 0; v < VECTORS; v++) acc[s][v] = add_block(acc[s][v], sum[s][v], sx[GROUP * b]);
-  }
-  for (int s = 0; s < S; s++)
-    for (int v = 0; v < VECTORS; v++) {
-      const int64_t n = TILE * (t + s) + TILE / VECTORS * v;
-      if (n >= o.N) break;  // the tile's padding past N
-      const Floats out = acc[s][v];  // a copy: acc's own address never escapes, so it stays in registers
-      finish<1>(o, 0, n, &out);
-    }
-}
-
-// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time (one row: ONE_ROW_TILES
-// tiles at a time).
+// y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time. One row reads
+// ONE_ROW_TILES tiles side by side, with no software prefetch: one core of an AMD EPYC Zen 1 read W at ~6-7 GB/s as
+// one stream, with or without it, and at ~9-10 GB/s as 4-8 streams.
 inline void pass_over_w(const Operands& o, int64_t rows) {
   at::parallel_for(0, (o.N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / TILE), [&](int64_t begin, int64_t end) {
     if constexpr (ONE_ROW_TILES > 1) {
       if (rows == 1) {
         int64_t t = begin;
-        for (; t + ONE_ROW_TILES <= end; t += ONE_ROW_TILES) one_row_tiles<ONE_ROW_TILES>(o, t);
-        for (; t < end; t++) all_rows(o, 0, 1, t);
+        for (; t + ONE_ROW_TILES <= end; t += ONE_ROW_TILES) dot_rows<1, ONE_ROW_TILES, false>(o, 0, t);
+        for (; t < end; t++) all_rows<1>(o, 0, 1, t);
         return;
       }
     }
     for (int64_t first = 0; first < rows; first += ROW_CHUNK) {
       const int64_t last = std::min(rows, first + ROW_CHUNK);
-      for (int64_t t = begin; t < end; t++) all_rows(o, first, last, t);
+      int64_t t = begin;
+      if (last - first >= PASS_TILES_MIN_ROWS)
+        for (; t + PASS_TILES <= end; t += PASS_TILES) all_rows<PASS_TILES>(o, first, last, t);
+      for (; t < end; t++) all_rows<1>(o, first, last, t);
     }
   });
 }
