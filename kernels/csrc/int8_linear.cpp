@@ -86,7 +86,7 @@ constexpr int64_t PREFETCH = 8192;
 // and for one (a lone stream's decode): its step 0.91x that at 8 KB (five alternated pairs, AMD EPYC Zen 4)
 constexpr int64_t PREFETCH_ONE_ROW = 3072;
 // Rows of x from which a pass reads PASS_TILES tiles side by side (a prompt chunk; a decode step's few rows are bound
-// by the memory, where 3 tiles at 8-16 rows took 1.2-1.5x the time of one, AMD EPYC Zen 5).
+// by the memory, where 3 tiles at 8-16 rows took 1.16-1.24x the time of one, AMD EPYC Zen 5).
 constexpr int64_t PASS_TILES_MIN_ROWS = 32;
 constexpr int64_t GRAIN = 96;       // outputs per task where torch runs several threads
 constexpr int64_t QUANT_GRAIN = 16; // rows of x per quantizing task
