@@ -36,8 +36,7 @@
 // one scale and one sum per block, those of 8 rows side by side: `Quantized`). W is streamed once, a tile at a time,
 // each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 8
 // on AVX-512's 32; on AVX-512 a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES); ROW_CHUNK rows at most
-// per pass over W, so a prefill's scratch stays in L2. Threads split the tiles
-// (at::parallel_for).
+// per pass over W, so a prefill's scratch stays in L2. Threads split the tiles (at::parallel_for).
 // The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
 // Batch invariance: each output is computed by the same instructions in the same order whatever the tile, the
