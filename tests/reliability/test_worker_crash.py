@@ -1,10 +1,10 @@
 """Worker crash: three `batcher worker` processes, 60 jobs of mixed lengths, half of them enqueued with plain RQ
-(no Retry), while the stock `rq info` runs in a loop; one worker is SIGKILLed
-while it has at least 8 jobs in flight, a second one later. Every job ends with exactly one
-successful result whose tokens equal `model.generate` alone, and a rerun job goes on where its stream stopped:
-no `restart`, one uninterrupted text. The time from each kill to the lost jobs running again is measured (goal:
-30 s). A second test kills a worker running a sampled n = 3 request, a constrained one and one with a stop string:
-each goes on to what an uninterrupted run gives."""
+(no Retry), while the stock `rq info` runs in a loop; one worker is SIGKILLed while it has at least 8 jobs in
+flight, a second one later, among a second wave of jobs. Every job ends with exactly one successful result whose
+tokens equal `model.generate` alone, and a rerun job goes on where its stream stopped: no `restart`, one
+uninterrupted text. The time from each kill to the lost jobs running again is measured (goal: 30 s). A second test
+kills a worker running a sampled n = 3 request, a constrained one and one with a stop string: each goes on to what
+an uninterrupted run gives."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 import pytest
 from rq import Queue
 from rq.job import JobStatus
-from rq.registry import FailedJobRegistry
+from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
@@ -45,10 +45,13 @@ pytestmark = pytest.mark.timeout(420)
 QUEUE = "crash"
 RECOVERY_GOAL_S = 30
 LENGTHS = (8, 24, 48, 80, 120, 160)
+SECOND_WAVE = 48  # jobs of the longest length, enqueued once the first kill's jobs run again: work for the second
 
 
-def in_flight(connection, ids, worker) -> list[str]:
-    jobs = [fetch(connection, j) for j in ids]
+def in_flight(connection, worker) -> list[str]:
+    """The worker's jobs that have begun streaming; read from RQ's started registry, so that a poll stays short."""
+    started = StartedJobRegistry(QUEUE, connection=connection, serializer=JSONSerializer).get_job_ids(cleanup=False)
+    jobs = [fetch(connection, j) for j in started]
     return [j.id for j in jobs if j.worker_name == worker and j.get_status() == JobStatus.STARTED
             and connection.xlen(keys.stream_key(j.id)) > 1]
 
@@ -120,9 +123,10 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
     try:
         prompts = prompt_pool()
         jobs = [(tuple(prompts[i % len(prompts)]), LENGTHS[i % len(LENGTHS)]) for i in range(60)]
+        wave = [(tuple(prompts[i % len(prompts)]), max(LENGTHS)) for i in range(SECOND_WAVE)]
         for prompt in prompts:  # while the workers load
             reference(model_dir, prompt, max(LENGTHS))
-        references = {job: reference(model_dir, list(job[0]), job[1]) for job in jobs}
+        references = {job: reference(model_dir, list(job[0]), job[1]) for job in jobs + wave}
         for name, process in workers:
             wait_ready(connection, name, process)
         client = Client(connection, queue=QUEUE)
@@ -132,7 +136,7 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
                if i % 2 else client.submit(greedy(n, prompt_token_ids=list(p))) for i, (p, n) in enumerate(jobs)]
         by_id = dict(zip(ids, jobs))
 
-        busiest = wait_for(lambda: next(((n, p) for n, p in workers if len(in_flight(connection, ids, n)) >= 8),
+        busiest = wait_for(lambda: next(((n, p) for n, p in workers if len(in_flight(connection, n)) >= 8),
                                         None), 60, "a worker with 8 jobs streaming")
         # An operator runs the stock `rq info` over and over meanwhile: its registry cleanup must neither fail
         # nor requeue (a second time) any job of the dead worker.
@@ -140,7 +144,11 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
         lost1, recovery1 = kill_and_time_recovery(connection, busiest[1], ids, busiest[0])
         assert len(lost1) >= 8
         survivors = [w for w in workers if w is not busiest]
-        second = wait_for(lambda: next(((n, p) for n, p in survivors if in_flight(connection, ids, n)), None),
+        # The survivors may have finished the first wave by now: a second one keeps both busy for the next kill.
+        wave_ids = [client.submit(greedy(n, prompt_token_ids=list(p))) for p, n in wave]
+        ids += wave_ids
+        by_id.update(zip(wave_ids, wave))
+        second = wait_for(lambda: next(((n, p) for n, p in survivors if in_flight(connection, n)), None),
                           30, "a surviving worker with jobs in flight")
         lost2, recovery2 = kill_and_time_recovery(connection, second[1], ids, second[0])
         assert lost2
@@ -162,7 +170,7 @@ def test_two_sigkilled_workers_lose_no_job_and_every_job_equals_the_reference(ti
         assert FailedJobRegistry(QUEUE, connection=connection).count == 0
         assert max(recovery1, recovery2) <= RECOVERY_GOAL_S
         assert kept > 0
-        record("worker_crash", jobs=len(ids), plain_rq_jobs=len(ids) // 2, rq_info_runs=rq_info.runs, jobs_lost=0,
+        record("worker_crash", jobs=len(ids), plain_rq_jobs=len(jobs) // 2, rq_info_runs=rq_info.runs, jobs_lost=0,
                doubled=0, restarts=0, tokens_kept_across_kills=kept,
                killed_in_flight=f"{len(lost1)}+{len(lost2)}",
                recovery_s=f"{recovery1:.1f}/{recovery2:.1f}", lease_s=LEASE_S)
