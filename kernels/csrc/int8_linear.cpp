@@ -46,7 +46,7 @@
 // Speed (one thread, AMD EPYC Zen 4, SmolLM2's weights): the VNNI variant, on 512-bit vectors 8 rows at a time,
 // takes 0.82-0.93x the time of the same on 256-bit vectors 4 rows at a time from 8 rows on, and 0.36-0.79x that of
 // torch's bf16 linear (oneDNN's AVX512-BF16) at 8-512 rows; the AVX2 variant 1.1-1.75x the unpacked layout's kernel.
-// At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX the AMX variant runs from 32
+// At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX the AMX variant runs from 24
 // rows (AMX_MIN_ROWS), 0.83x the VNNI variant's time at 128. Each block costs it a tile product (of K = 32: what one
 // of K = 64 costs), a store of its sums and their scaling in float (3-4 vector operations per row); on a host of
 // family 6 model 207 a product took ~18 ns, a 1 KB tile store ~12 and a tile load ~10, one after another (an ad-hoc
@@ -91,10 +91,11 @@ constexpr int64_t PASS_TILES_MIN_ROWS = 32;
 constexpr int64_t GRAIN = 96;       // outputs per task where torch runs several threads
 constexpr int64_t QUANT_GRAIN = 16; // rows of x per quantizing task
 constexpr int AMX_ROWS = 16;        // rows of x per AMX tile product
-// Rows from which AMX runs by default (below, VNNI's dots). AMX pays per group of 16 rows, VNNI per row: on an Intel
-// Xeon with AMX (family 6 model 207), once VNNI's passes prefetched (PREFETCH), VNNI took 0.81-0.95x AMX's time over
-// SmolLM2's linears at 10-28 rows and 0.90x at 40, 1.03-1.04x at 32 and 1.03-1.2x from 48 (the threshold was 10).
-constexpr int64_t AMX_MIN_ROWS = 32;
+// Rows from which AMX runs by default (below, VNNI's dots). AMX pays per group of 16 rows, VNNI per row. On an Intel
+// Xeon with AMX (family 6 model 207), once VNNI's passes prefetched (PREFETCH): in skew-small and summarise runs, each
+// int8 call of 10-31 rows timed on both variants, VNNI took 0.90-0.96x AMX's time at 10-23 rows, 1.04-1.05x at 24-31
+// (the threshold was 10).
+constexpr int64_t AMX_MIN_ROWS = 24;
 
 // Rows of x whose block scales and offsets lie side by side (`Quantized::at`): a pass over X_ROWS <= GROUP rows reads
 // them through one pointer each, where 8 rows' own pointers spilled the registers (AMD EPYC Zen 4).
