@@ -46,8 +46,8 @@
 // Speed (one thread, AMD EPYC Zen 4, SmolLM2's weights): the VNNI variant, on 512-bit vectors 8 rows at a time,
 // takes 0.82-0.93x the time of the same on 256-bit vectors 4 rows at a time from 8 rows on, and 0.36-0.79x that of
 // torch's bf16 linear (oneDNN's AVX512-BF16) at 8-512 rows; the AVX2 variant 1.1-1.75x the unpacked layout's kernel.
-// At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX the AMX variant runs from 24
-// rows (AMX_MIN_ROWS), 0.83x the VNNI variant's time at 128. Each block costs it a tile product (of K = 32: what one
+// At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX the AMX variant runs from
+// AMX_MIN_ROWS rows, 0.83x the VNNI variant's time at 128. Each block costs it a tile product (of K = 32: what one
 // of K = 64 costs), a store of its sums and their scaling in float (3-4 vector operations per row); on a host of
 // family 6 model 207 a product took ~18 ns, a 1 KB tile store ~12 and a tile load ~10, one after another (an ad-hoc
 // loop), so ~40 ns a block with or without the float work, where amx_linear's bf16 products keep their sums in the

@@ -52,7 +52,7 @@ def in_flight(connection, worker) -> list[str]:
     """The worker's jobs that have begun streaming; read from RQ's started registry, so that a poll stays short."""
     started = StartedJobRegistry(QUEUE, connection=connection, serializer=JSONSerializer).get_job_ids(cleanup=False)
     jobs = [fetch(connection, j) for j in started]
-    return [j.id for j in jobs if j.worker_name == worker and j.get_status() == JobStatus.STARTED
+    return [j.id for j in jobs if j.worker_name == worker and j.get_status(refresh=False) == JobStatus.STARTED
             and connection.xlen(keys.stream_key(j.id)) > 1]
 
 
@@ -67,8 +67,8 @@ def kill_and_time_recovery(connection, process, ids, worker) -> tuple[list[str],
     process.send_signal(signal.SIGKILL)
     process.wait()
     killed_at = time.monotonic()
-    lost = [j for j in ids if fetch(connection, j).worker_name == worker
-            and fetch(connection, j).get_status() == JobStatus.STARTED]
+    jobs = [fetch(connection, j) for j in ids]
+    lost = [j.id for j in jobs if j.worker_name == worker and j.get_status(refresh=False) == JobStatus.STARTED]
     streamed = [j for j in lost if first_entry(connection, j)]
     executions = {j: {e.execution_id for e in events(connection, j)} for j in streamed}
 
