@@ -48,6 +48,28 @@ def test_paged_decode_matches_the_reference(kernel, head_dim, heads, kv_heads, b
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+@pytest.mark.parametrize("lengths", [[900, 3, 5, 2, 1, 4, 700], [300], [40, 7]])
+def test_paged_decode_splits_its_work_by_keys_over_any_threads_without_moving_a_bit(kernel, lengths):
+    """Threads take runs of decodes of about equal keys (kernels/csrc/decode_call.h): one long decode among short
+    ones, fewer units than threads, or more threads than cores must each compute every output once, the same bits
+    as one thread."""
+    k_cache, v_cache, tables = scattered_cache(lengths, 16, 3, 64)
+    query, lens = torch.randn(len(lengths), 9, 64).to(torch.bfloat16), torch.tensor(lengths)
+    run = lambda: getattr(native.load(), kernel)(query, k_cache, v_cache, tables, lens, 16, 0.125)  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        for count in (2, 3, 5):
+            torch.set_num_threads(count)
+            assert torch.equal(run(), one), f"{count} threads"
+    finally:
+        torch.set_num_threads(threads)
+    want = decode_attention(query.float(), k_cache.float(), v_cache.float(), cache_slots(tables, 16), lens, 0.125)
+    torch.testing.assert_close(one.float(), want, **BF16_TOLERANCE)
+
+
 def test_paged_decode_reads_a_query_laid_out_as_the_model_gives_it():
     """The model hands attention a transposed view (`[T, H, D]` of `[1, H, T, D]`); the kernel must not
     read it as if it were contiguous."""

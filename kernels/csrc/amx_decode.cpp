@@ -13,7 +13,6 @@
 // being strided and its blocks scattered: asked in one short loop, they held the step up (1.32x its time).
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -156,7 +155,7 @@ torch::Tensor amx_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tens
   uint16_t* o = batcher::bf16_data(out);
   const int64_t row_stride = c.kv_heads * c.dim;
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, c.batch * c.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  batcher::parallel_for_keys(c, c.kv_heads, [&](int64_t begin, int64_t end) {
     batcher::configure_tiles();
     for (int64_t i = begin; i < end; i++) {
       const int64_t b = i / c.kv_heads, h = i % c.kv_heads;

@@ -173,7 +173,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const float s = static_cast<float>(scale);
   auto run = [&](auto head_dim, auto group_size) {
     constexpr int Dc = decltype(head_dim)::value, Gc = decltype(group_size)::value;
-    at::parallel_for(0, c.batch * c.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    batcher::parallel_for_keys(c, c.kv_heads, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t b = i / c.kv_heads, h = i % c.kv_heads;
         const int64_t first = (b * c.heads + h * Gc) * Dc;

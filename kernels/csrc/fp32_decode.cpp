@@ -8,7 +8,6 @@
 // sequence's rows of one KV head are strided and its blocks scattered.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -129,7 +128,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const float s = static_cast<float>(scale);
   auto run = [&](auto head_dim) {
     constexpr int D = decltype(head_dim)::value;
-    at::parallel_for(0, c.batch, 1, [&](int64_t begin, int64_t end) {
+    batcher::parallel_for_keys(c, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; b++)
         decode_sequence<D>(q + b * c.heads * D, static_cast<int>(c.kv_heads), c.group, k, v, c.table(b), c.length(b),
                            block_size, s, o + b * c.heads * D);
