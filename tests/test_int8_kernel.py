@@ -6,7 +6,7 @@ must not depend on the rows beside it, nor on the threads.
 
 It runs on every CPU with AVX2 and FMA (elsewhere these tests skip); a CPU that has them but fails to build it fails
 here. Where the CPU has AVX-512 VNNI, its variant runs by default and must give the AVX2 variant's bits; where it
-has AMX-INT8 too, the AMX variant runs from 10 rows and must give them as well.
+has AMX-INT8 too, the AMX variant runs from its threshold of rows (`AMX_MIN_ROWS`) and must give them as well.
 """
 
 import pytest
@@ -133,13 +133,15 @@ def test_bf16_x_gives_the_float_results_rounded_to_bf16(isa):
 
 @pytest.mark.parametrize("isa", VARIANTS[1:])  # none (skipped) on an AVX2-only CPU
 def test_every_wider_variant_gives_the_avx2_variants_bits(isa):
-    """Rows in whole tiles of 16 and not, one block and many, K with a shorter last block, W's tiles with padding,
-    more rows than AMX's pass takes at once (256)."""
+    """Rows in whole tiles of 16 and not, one block and many, K with a shorter last block (shorter than half a
+    block too), W's tiles with padding, more rows than AMX's pass takes at once (256); fp32 and bf16 x, which the
+    wider variants quantize on 512-bit vectors."""
     for rows, K, N in ((1, 576, 37), (3, 100, 9), (7, 64, 12), (16, 32, 16), (17, 1536, 40), (70, 300, 101),
-                       (130, 33, 5), (300, 96, 17)):
+                       (130, 33, 5), (300, 96, 17), (5, 7, 3)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K + N)
-        for b in (bias, None):
-            assert torch.equal(kernel(x, qweight, wscale, b, isa), kernel(x, qweight, wscale, b, "avx2")), (rows, K, N)
+        for xs, b in ((x, bias), (x, None), (x.bfloat16(), bias)):
+            assert torch.equal(kernel(xs, qweight, wscale, b, isa), kernel(xs, qweight, wscale, b, "avx2")), (
+                rows, K, N, xs.dtype)
 
 
 def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
