@@ -61,7 +61,7 @@ constexpr int64_t UNIT_KEYS = 32;
 // body(begin, end) over units [0, batch * per_sequence) (unit u: sequence u / per_sequence), once per thread of
 // torch's, each a run of consecutive units of about equal keys. A unit's time follows its sequence's keys, so
 // at::parallel_for's equal counts of units left one thread waiting on the other: 2 threads ran 8 decodes of 100-3000
-// keys 1.59-1.63x one thread's pace, 32 of 300-2000 1.81-1.91x; split by keys 1.80-2.00x and 1.85-1.96x (the three
+// keys 1.59-1.63x one thread's pace, 32 of 300-2000 1.81-1.91x; split by keys 1.80-2.01x and 1.85-2.08x (the three
 // decode kernels, Intel Xeon with AMX). Consecutive units keep a sequence's KV heads on one thread, as each cache row
 // holds them all side by side (units dealt out one at a time to whichever thread was free ran slower than the
 // split by counts). Which thread runs a unit changes none of its bits.
