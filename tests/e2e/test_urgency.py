@@ -159,8 +159,10 @@ def test_a_tenants_small_batch_is_not_stuck_behind_anothers_large_one(pool):
     at_start = completed(a, large)  # B's lines wait in the queue from here on
     wait_for(lambda: completed(b, small) == 10, BATCH_END_S, "the small batch's lines")
     ran = completed(a, large) - at_start
-    # Scaled from the issue's 80 of A's lines at 32 slots: the lines in flight, then about one of A's per line of B's.
-    assert ran <= 2 * 2 * SLOTS + 10 + 8, f"A completed {ran} lines while B's 10 ran"
+    # Scaled from the issue's 80 of A's lines at 32 slots: the lines in flight (two rounds of the 2 workers' slots),
+    # about one of A's per line of B's, and a round of A's beside B's last lines, in the slots B no longer needs (a
+    # CI run on 2 loaded cores reached 38 of the 34 the first two allowed). Behind A's backlog B would wait ~80.
+    assert ran <= 3 * 2 * SLOTS + 10 + 8, f"A completed {ran} lines while B's 10 ran"
     wait_done(b, small)
     assert a.batches.retrieve(large).status == "in_progress"
     wait_done(a, large)
