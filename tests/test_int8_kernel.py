@@ -144,6 +144,24 @@ def test_every_wider_variant_gives_the_avx2_variants_bits(isa):
                 rows, K, N, xs.dtype)
 
 
+@pytest.mark.parametrize("isa", VARIANTS[1:])
+def test_a_nan_an_infinity_a_zero_or_a_tiny_block_among_sixteen_gives_the_avx2_variants_bits(isa):
+    """The wider variants quantize 16 whole blocks of a row at once (their maxima, checks and scales in lanes): a
+    block of NaN, of an infinity, of zeros or of subnormal values changes only its own block's values, as the AVX2
+    variant's block by block does, in either half of a row of 34 whole blocks and a shorter last one."""
+    x, qweight, wscale, bias = operands(6, 1100, 24, seed=11)
+    x[0, 40] = float("nan")  # the first 16 blocks
+    x[1, 600] = float("-inf")  # the second 16
+    x[2, 64:96] = 0  # a zero block; the rest of the row as usual
+    x[3, 96:128] = 1e-40  # subnormal: 127 / amax overflows
+    x[4, 1090] = float("inf")  # the shorter last block, quantized alone
+    x[5, 1024:1056] = -3e38  # the largest finite values
+    for xs in (x, x.bfloat16()):
+        torch.testing.assert_close(kernel(xs, qweight, wscale, bias, isa), kernel(xs, qweight, wscale, bias, "avx2"),
+                                   rtol=0, atol=0, equal_nan=True)
+        assert kernel(xs, qweight, wscale, bias, isa)[[0, 1, 4]].isnan().all()
+
+
 def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():
     x, qweight, wscale, bias = operands(6, 200, 10, seed=3)
     x[2] = 0  # a zero row of x

@@ -32,12 +32,13 @@
 // added to the output's fp32 sum (no FMA); at the end times wscale, plus bias. So every variant gives the torch
 // reference's bits (workers/model/int8_linear.py's `int8_linear_reference`).
 //
-// Order of the work: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with zeros,
-// one scale and one sum per block, those of 8 rows side by side: `Quantized`; on 512-bit vectors where the variant
-// is an AVX-512 one, the same bits: a 512 x 576 bf16 x in 0.8x the time). W is streamed once, a tile at a time,
-// each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time (2 on AVX2's 16 registers, 8
-// on AVX-512's 32; on AVX-512 a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES); ROW_CHUNK rows at most
-// per pass over W, so a prefill's scratch stays in L2. Threads split the tiles (at::parallel_for).
+// Order of the work: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with
+// zeros, one scale and one sum per block, those of 8 rows side by side: `Quantized`; where the variant is an AVX-512
+// one, 16 whole blocks of a row at once, a block a lane: the same bits in 0.46-0.74x the time). W is streamed once, a
+// tile at a time, each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time (2 on
+// AVX2's 16 registers, 8 on AVX-512's 32; on AVX-512 a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES);
+// ROW_CHUNK rows at most per pass over W, so a prefill's scratch stays in L2. Threads split the tiles
+// (at::parallel_for).
 // The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
 // Batch invariance: each output is computed by the same instructions in the same order whatever the tile, the
@@ -63,6 +64,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -82,7 +84,8 @@ constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch:
 // Bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x (a pass of several tiles: the same line of
 // the next tiles). Until 2026-12-06 a template parameter of the same name hid this constant in int8_tiles.h, so those
 // passes asked for the line they were reading: asked 8 KB ahead, 8-32 rows of SmolLM2's weights took 0.69-0.86x the
-// time and skew-small in int8 ran 1.35-1.40x faster (AMD EPYC Zen 5); 4 KB 1.1x the time of 8, 16 KB the same.
+// time and skew-small in int8 ran 1.35-1.40x faster (AMD EPYC Zen 5); 4 KB 1.1x the time of 8, 16 KB the same. The
+// AMX pass asks as far ahead (`amx::dot_tile`).
 constexpr int64_t PREFETCH = 8192;
 // and for one (a lone stream's decode): its step 0.91x that at 8 KB (five alternated pairs, AMD EPYC Zen 4)
 constexpr int64_t PREFETCH_ONE_ROW = 3072;
@@ -104,12 +107,13 @@ constexpr int64_t GROUP = 8;
 
 // x's rows, quantized: `stride` (whole blocks) int8 values per row, zeros past K; per block a scale, and -128 times
 // the block's sum of values (what VNNI's sums start from), for rows in groups of GROUP: block b of the group's rows
-// at `at(row, b)`, one after another.
+// at `at(row, b)`, one after another (a last group's rows past x's are never written nor read). Left unzeroed: a
+// vector's zeroing took 8.5-25 us of a prompt chunk's call (Intel Xeon with AMX).
 struct Quantized {
   int64_t blocks, stride;
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<int32_t> offset;
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> scale;
+  std::unique_ptr<int32_t[]> offset;
   int64_t at(int64_t row, int64_t b) const { return (row / GROUP * blocks + b) * GROUP + row % GROUP; }
 };
 
@@ -170,7 +174,13 @@ inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t* offset) {
   return amax / 127.0f;
 }
 
-#include "int8_quantize_row.h"
+// Row r of x (`x` its K values) into `out`.
+template <typename T>
+void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r) {
+  for (int64_t b = 0, at = out.at(r, 0); b < out.blocks; b++, at += GROUP)
+    out.scale[at] = quantize_block(x + b * BLOCK, std::min<int64_t>(BLOCK, K - b * BLOCK),
+                                   out.q.get() + r * out.stride + b * BLOCK, out.offset.get() + at);
+}
 
 // x's rows quantized, each by `row` (`quantize_row`, or the AVX-512 one: the same bits).
 template <typename T>
@@ -178,10 +188,10 @@ Quantized quantize_rows(const T* x, int64_t rows, int64_t K, void (*row)(const T
   Quantized out;
   out.blocks = (K + BLOCK - 1) / BLOCK;
   out.stride = out.blocks * BLOCK;
-  out.q.resize(rows * out.stride);
-  const int64_t groups = (rows + GROUP - 1) / GROUP;
-  out.scale.resize(groups * GROUP * out.blocks);
-  out.offset.resize(groups * GROUP * out.blocks);
+  out.q.reset(new int8_t[rows * out.stride]);
+  const int64_t scales = (rows + GROUP - 1) / GROUP * GROUP * out.blocks;
+  out.scale.reset(new float[scales]);
+  out.offset.reset(new int32_t[scales]);
   at::parallel_for(0, rows, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) row(x + r * K, K, out, r);
   });
@@ -338,7 +348,112 @@ inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t* offset) {
   return amax / 127.0f;
 }
 
-#include "int8_quantize_row.h"
+// The permutations that fold 16 vectors into one, lane b of which is a reduction of vector b's lanes (`fold`): at
+// step s, each of two vectors holds 2^s blocks' partial results in runs of 16 >> s lanes, and the first (FOLD[s][0])
+// and second (FOLD[s][1]) halves of those runs, side by side, make one vector of twice the blocks in half the lanes.
+struct FoldIndex {
+  alignas(64) int32_t lanes[4][2][16];
+};
+constexpr FoldIndex fold_index() {
+  FoldIndex index{};
+  for (int step = 0; step < 4; step++) {
+    const int run = 16 >> step, half = run / 2, per_vector = 1 << step;
+    for (int lane = 0; lane < 16; lane++) {
+      const int block = lane / half, first = (block < per_vector ? 0 : 16) + block % per_vector * run + lane % half;
+      index.lanes[step][0][lane] = first;
+      index.lanes[step][1][lane] = first + half;
+    }
+  }
+  return index;
+}
+constexpr FoldIndex FOLD = fold_index();
+
+// Lane b: `op` (max or add, on int32 lanes) over the 16 lanes of v[b], for 16 vectors at once: 15 folds of two
+// permutes and one op, where reducing each vector alone takes 8 dependent operations (v is overwritten).
+template <typename Op>
+inline __m512i fold(__m512i* v, Op op) {
+#pragma GCC unroll 4
+  for (int step = 0, count = 16; step < 4; step++, count /= 2) {
+    const __m512i first = _mm512_load_si512(FOLD.lanes[step][0]), second = _mm512_load_si512(FOLD.lanes[step][1]);
+#pragma GCC unroll 8
+    for (int j = 0; j < count / 2; j++)
+      v[j] = op(_mm512_permutex2var_epi32(v[2 * j], first, v[2 * j + 1]),
+                _mm512_permutex2var_epi32(v[2 * j], second, v[2 * j + 1]));
+  }
+  return v[0];
+}
+
+// A whole block's |x| as fp32 bits, folded to 16 int32 lanes by max: for non-negative floats the order of their bits
+// as integers is theirs, and an infinity or a NaN (bits from 0x7F800000 up) stays the max, where a float max drops
+// NaNs. bf16 x is compared as its 16 bits, which are the fp32 value's upper half.
+inline __m512i block_max_bits(const float* x) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  return _mm512_max_epi32(_mm512_and_si512(_mm512_loadu_si512(x), magnitude),
+                          _mm512_and_si512(_mm512_loadu_si512(x + 16), magnitude));
+}
+inline __m512i block_max_bits(const c10::BFloat16* x) {
+  const __m512i values = _mm512_and_si512(_mm512_loadu_si512(x), _mm512_set1_epi16(0x7FFF));  // 32 of them
+  const __m512i low = _mm512_and_si512(values, _mm512_set1_epi32(0xFFFF)), high = _mm512_srli_epi32(values, 16);
+  return _mm512_slli_epi32(_mm512_max_epi32(low, high), 16);
+}
+
+// `count` <= 16 whole blocks of one row (x their values, q their int8s) as `quantize_block` quantizes each, their
+// scales and offsets at `scale[GROUP * b]` and `offset[GROUP * b]`: each block's max, scale and sum in a lane of its
+// own, so the reductions, the checks and the divisions are shared by 16 blocks. The same operations on each value,
+// so the same bits.
+template <typename T>
+inline void quantize_blocks(const T* x, int64_t count, int8_t* q, float* scale, int32_t* offset) {
+  __m512i folded[16];
+#pragma GCC unroll 16
+  for (int b = 0; b < 16; b++) folded[b] = b < count ? block_max_bits(x + BLOCK * b) : _mm512_setzero_si512();
+  const __m512i bits = fold(folded, [](__m512i a, __m512i b) { return _mm512_max_epi32(a, b); });
+  const __mmask16 bad = _mm512_cmpge_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));  // a NaN or an infinity
+  const __m512 amax = _mm512_castsi512_ps(bits);
+  const __m512 factor = _mm512_div_ps(_mm512_set1_ps(127.0f), amax);
+  const __mmask16 zeroed = bad | _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_EQ_OQ);  // q 0, offset 0
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+#pragma GCC unroll 16
+  for (int b = 0; b < 16; b++) {
+    folded[b] = _mm512_setzero_si512();  // now each block's integer sum
+    if (b >= count) continue;
+    if (zeroed >> b & 1) {
+      std::memset(q + BLOCK * b, 0, BLOCK);
+      continue;
+    }
+    const __m512 inv = _mm512_permutexvar_ps(_mm512_set1_epi32(b), factor);
+    for (int h = 0; h < 2; h++) {
+      const __m512i i32 = _mm512_min_epi32(
+          _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + BLOCK * b + 16 * h, 16), inv)), lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + BLOCK * b + 16 * h), _mm512_cvtepi32_epi8(i32));
+      folded[b] = _mm512_add_epi32(folded[b], i32);
+    }
+  }
+  alignas(64) float scales[16];
+  alignas(64) int32_t offsets[16];
+  _mm512_store_ps(scales, _mm512_mask_mov_ps(_mm512_div_ps(amax, _mm512_set1_ps(127.0f)), bad, _mm512_set1_ps(NAN)));
+  const __m512i sums = fold(folded, [](__m512i a, __m512i b) { return _mm512_add_epi32(a, b); });
+  _mm512_store_si512(offsets, _mm512_mullo_epi32(_mm512_set1_epi32(-128), sums));
+  for (int64_t b = 0; b < count; b++) {
+    scale[GROUP * b] = scales[b];
+    offset[GROUP * b] = offsets[b];
+  }
+}
+
+// Row r of x into `out`: its whole blocks 16 at a time (`quantize_blocks`), a shorter last one alone.
+template <typename T>
+void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r) {
+  int8_t* q = out.q.get() + r * out.stride;
+  const int64_t whole = K / BLOCK;
+  for (int64_t b = 0; b < whole; b += 16) {
+    const int64_t at = out.at(r, b);
+    quantize_blocks(x + b * BLOCK, std::min<int64_t>(16, whole - b), q + b * BLOCK, out.scale.get() + at,
+                    out.offset.get() + at);
+  }
+  if (whole < out.blocks) {
+    const int64_t at = out.at(r, whole);
+    out.scale[at] = quantize_block(x + whole * BLOCK, K - whole * BLOCK, q + whole * BLOCK, out.offset.get() + at);
+  }
+}
 }  // namespace vnni
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -385,10 +500,13 @@ inline void configure(int64_t rows) {
 }
 
 // A packed tile of `bytes` with its bytes signed again (q, not q + 128) into `out`: tdpbssd's second operand, whose
-// sums need no offset. Made once per tile and chunk of rows, where enough groups of rows meet the tile to pay for it.
+// sums need no offset. Made once per tile and chunk of rows, where enough groups of rows meet the tile to pay for it;
+// the bytes PREFETCH ahead asked for as it reads.
 inline void signed_tile(const uint8_t* tile, int64_t bytes, int8_t* out) {
-  for (int64_t i = 0; i < bytes; i += 64)
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(tile + i + PREFETCH), _MM_HINT_T1);  // (past W: a no-op)
     _mm512_storeu_si512(out + i, _mm512_xor_si512(_mm512_loadu_si512(tile + i), _mm512_set1_epi8(-128)));
+  }
 }
 
 // The product of one block: x's rows from `x` (`stride` apart), W's block at `w`: signed (SIGNED: tdpbssd), else as
@@ -447,21 +565,26 @@ inline void add_block(const int32_t (*sums)[TILE], RowPair<float> scale, RowPair
 
 // y for x's rows [row, row + count) (count <= 16: the tiles are configured for it; row a multiple of GROUP) and W's
 // tile t at `w` (signed: `signed_tile`, or as packed). A block's sums are scaled only once the next block's product
-// is asked for and its sums stored, so the tiles work while the vector units scale.
+// is asked for and its sums stored, so the tiles work while the vector units scale. `fetch` (a tile's first group
+// of rows; else nullptr): the packed tile, whose bytes PREFETCH ahead each pair of blocks asks L2 for. Without, a
+// decode step's 24-64 rows over SmolLM2's weights took 1.06-1.22x the time (Intel Xeon with AMX, model 167).
 template <bool FULL, bool SIGNED>
-inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t, const void* w) {
+inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t, const void* w, const uint8_t* fetch) {
   __m512 acc[AMX_ROWS];
 #pragma GCC unroll 16
   for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
   alignas(64) int32_t sums[2][AMX_ROWS][TILE];
   const int64_t blocks = o.x.blocks, stride = o.x.stride;
-  const int8_t* x = o.x.q.data() + row * stride;
+  const int8_t* x = o.x.q.get() + row * stride;
   const auto* wb = static_cast<const uint8_t*>(w);
   const int64_t at0 = o.x.at(row, 0), at1 = count > GROUP ? o.x.at(row + GROUP, 0) : at0;
-  const RowPair<float> scale{o.x.scale.data() + at0, o.x.scale.data() + at1};
-  const RowPair<int32_t> offset{o.x.offset.data() + at0, o.x.offset.data() + at1};
+  const RowPair<float> scale{o.x.scale.get() + at0, o.x.scale.get() + at1};
+  const RowPair<int32_t> offset{o.x.offset.get() + at0, o.x.offset.get() + at1};
   start_block<0, SIGNED>(x, stride, wb);
   for (int64_t b = 0; b < blocks; b += 2) {  // block b on tiles of set 0, b + 1 on set 1
+    if (fetch)
+      for (int64_t line = 0; line < 2 * W_BLOCK; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(fetch + b * W_BLOCK + PREFETCH + line), _MM_HINT_T1);
     if (b + 1 < blocks) start_block<1, SIGNED>(x + (b + 1) * BLOCK, stride, wb + (b + 1) * W_BLOCK);
     store_sums<0>(sums[0]);
     if (b > 0) add_block<FULL, SIGNED>(sums[1], scale, offset, b - 1, count, acc);
@@ -487,10 +610,11 @@ inline void all_rows(const Operands& o, int64_t first, int64_t last, int64_t t, 
   for (int64_t row = first; row < last; row += AMX_ROWS) {
     const int64_t count = std::min<int64_t>(AMX_ROWS, last - row);
     if (count != configured) configure(configured = count);
+    const uint8_t* fetch = !SIGNED && row == first ? o.w + t * o.tile_bytes : nullptr;
     if (count == AMX_ROWS)
-      dot_tile<true, SIGNED>(o, row, count, t, w);
+      dot_tile<true, SIGNED>(o, row, count, t, w, fetch);
     else
-      dot_tile<false, SIGNED>(o, row, count, t, w);
+      dot_tile<false, SIGNED>(o, row, count, t, w, fetch);
   }
 }
 

@@ -23,9 +23,9 @@ inline void dot_rows(const Operands& o, int64_t row, int64_t t) {
   for (int r = 0; r < R; r++)
     for (int j = 0; j < T; j++)
       for (int v = 0; v < VECTORS; v++) acc[r][j][v] = Floats{};
-  const int8_t* qx = o.x.q.data() + row * o.x.stride;
-  const float* sx = o.x.scale.data() + o.x.at(row, 0);  // block b of row + r: sx[GROUP * b + r]
-  const int32_t* offset = o.x.offset.data() + o.x.at(row, 0);
+  const int8_t* qx = o.x.q.get() + row * o.x.stride;
+  const float* sx = o.x.scale.get() + o.x.at(row, 0);  // block b of row + r: sx[GROUP * b + r]
+  const int32_t* offset = o.x.offset.get() + o.x.at(row, 0);
   const uint8_t* w = o.w + t * o.tile_bytes;  // each tile read front to back: 64 bytes (one cache line) a step
   const int64_t ahead = R == 1 ? PREFETCH_ONE_ROW : T == 1 ? PREFETCH : T * o.tile_bytes;  // T: the next T tiles'
   for (int64_t b = 0; b < o.x.blocks; b++) {
