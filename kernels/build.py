@@ -91,8 +91,7 @@ FP32 = Build("fp32", "batcher_fp32_kernels",
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DFP32_LINEAR_MAX_ROWS={FP32_LINEAR_MAX_ROWS}",
               f"-DMAX_QUERY_HEADS_PER_KV_HEAD={MAX_QUERY_HEADS_PER_KV_HEAD}"))
 # Linears on int8 weights (AVX2 integer dots; AVX-512 VNNI ones, and AMX-INT8 tile products, chosen at run time).
-INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",),
-             ("amx.h", "avx2.h", "int8_tiles.h"), ("avx2", "fma"),
+INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("amx.h", "avx2.h", "int8_tiles.h"), ("avx2", "fma"),
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DINT8_BLOCK={INT8_BLOCK}",
               f"-DINT8_TILE={INT8_TILE}"))
 BUILDS = (BF16, FP32, INT8)  # every build: `main` (the image's build stage, setup.py) compiles them all

@@ -317,35 +317,11 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 }
 #include "int8_tiles.h"
 
-// Up to 16 of x's values as fp32 (zeros past `left`); bf16 widens exactly.
-inline __m512 load16(const float* x, int64_t left) { return _mm512_maskz_loadu_ps(first_lanes(left), x); }
-inline __m512 load16(const c10::BFloat16* x, int64_t left) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(left), x);
+// 16 of x's values as fp32; bf16 widens exactly.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// `quantize_block` on two 512-bit vectors: the same operations on each value (the max and the integer sum are
-// exact in any order), so the same bits in half the instructions.
-template <typename T>
-inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t* offset) {
-  const __m512 v[2] = {load16(x, n), load16(x + 16, n - 16)};
-  const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]), inf = _mm512_set1_ps(INFINITY);
-  const bool nan = _mm512_cmp_ps_mask(a0, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, inf, _CMP_NLT_UQ);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-  *offset = 0;
-  if (nan || amax == 0.0f) {
-    std::memset(q, 0, BLOCK);
-    return nan ? NAN : 0.0f;
-  }
-  const __m512 inv = _mm512_set1_ps(127.0f / amax);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  __m512i i32[2];
-  for (int i = 0; i < 2; i++) {
-    i32[i] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)), lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtepi32_epi8(i32[i]));
-  }
-  *offset = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(i32[0], i32[1]));
-  return amax / 127.0f;
 }
 
 // The permutations that fold 16 vectors into one, lane b of which is a reduction of vector b's lanes (`fold`): at
@@ -423,7 +399,7 @@ inline void quantize_blocks(const T* x, int64_t count, int8_t* q, float* scale, 
     const __m512 inv = _mm512_permutexvar_ps(_mm512_set1_epi32(b), factor);
     for (int h = 0; h < 2; h++) {
       const __m512i i32 = _mm512_min_epi32(
-          _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + BLOCK * b + 16 * h, 16), inv)), lo), hi);
+          _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + BLOCK * b + 16 * h), inv)), lo), hi);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + BLOCK * b + 16 * h), _mm512_cvtepi32_epi8(i32));
       folded[b] = _mm512_add_epi32(folded[b], i32);
     }
@@ -439,7 +415,8 @@ inline void quantize_blocks(const T* x, int64_t count, int8_t* q, float* scale, 
   }
 }
 
-// Row r of x into `out`: its whole blocks 16 at a time (`quantize_blocks`), a shorter last one alone.
+// Row r of x into `out`: its whole blocks 16 at a time (`quantize_blocks`), a shorter last one alone (on AVX2: one
+// block a row at most, and none where K is a multiple of 32).
 template <typename T>
 void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r) {
   int8_t* q = out.q.get() + r * out.stride;
@@ -705,7 +682,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
   auto y = torch::empty(sizes, x.options());
   if (rows == 0 || N == 0) return y;
   const std::string run = isa.empty() ? best_isa(rows) : isa;
-  const bool wide = run != ISA_AVX2;  // AVX-512 here: its quantizing too
+  const bool wide = run != ISA_AVX2;  // an AVX-512 variant, which quantizes x on AVX-512 too
   const Quantized quantized =
       bf16 ? quantize_rows(x2.data_ptr<c10::BFloat16>(), rows, K,
                            wide ? vnni::quantize_row<c10::BFloat16> : quantize_row<c10::BFloat16>)
