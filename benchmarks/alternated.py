@@ -99,13 +99,16 @@ def _thread_counts(ctx, param, value: str) -> list[int]:
 
 @click.command()
 @click.option("--workload", required=True, help="A workload file, or one `batcher bench` bundles.")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, is_eager=True)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, is_eager=True,
+              help="A local model folder, a GGUF file or 'smollm2', as `batcher bench` takes it.")
 @click.option("--formats", "configs", default="auto,auto:int8", show_default=True, callback=_formats,
               help="dtype or dtype:quantization, comma-separated; ratios are to the first")
 @click.option("--threads", "threads", default="1,2", show_default=True, callback=_thread_counts,
               help="torch thread counts, comma-separated; ratios are to the first")
 @click.option("--rounds", type=click.IntRange(1), default=2, show_default=True)
 def main(workload: str, model: str, configs: dict[str, EngineConfig], threads: list[int], rounds: int) -> None:
+    """Run a workload in several formats and thread counts, in turn in one process, round after round; print each
+    round's tokens/s and ratios."""
     try:
         items = load_workload(workload)
     except WorkloadError as exc:
