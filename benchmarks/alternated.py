@@ -21,10 +21,10 @@ import itertools
 import click
 
 from rqbatcher.config import DEFAULT_MODEL, DEFAULT_QUANTIZATION, EngineConfig
-from rqbatcher.workers.bench.report import cpu_name
+from rqbatcher.workers.bench.report import cpu_name, system_report
 from rqbatcher.workers.bench.run import run_batcher, shared_settings
 from rqbatcher.workers.bench.system import System
-from rqbatcher.workers.bench.workload import WorkloadError, WorkloadRequest, load_workload
+from rqbatcher.workers.bench.workload import WorkloadError, WorkloadRequest, load_workload, shared_prefix_tokens
 from rqbatcher.workers.engine.engine import build_engine
 
 SYSTEM = System.parse("batcher:continuous")  # `batcher bench`'s default system
@@ -34,7 +34,7 @@ def total_tok_s(config: EngineConfig, threads: int, workload: list[WorkloadReque
     """One run of the workload on a fresh engine of `config` at `threads`: prompt plus generated tokens a second."""
     config, _ = shared_settings(config, threads)
     run = run_batcher(build_engine(SYSTEM.engine_config(config)), workload, SYSTEM.name)
-    return sum(item.prompt_len + item.max_tokens for item in workload) / run.wall_s
+    return system_report(run, workload, run, shared_prefix_tokens(workload)).total_tok_s
 
 
 def alternate(workload: list[WorkloadRequest], configs: dict[str, EngineConfig], threads: list[int],
