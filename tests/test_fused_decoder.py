@@ -67,7 +67,7 @@ def test_rms_norm_gives_the_modules_bits(hidden, norm_class, dtype):
 
 
 @pytest.mark.parametrize("dtype", BOTH)
-@pytest.mark.parametrize("hidden", [576, 50])
+@pytest.mark.parametrize("hidden", [576, 50, 100])  # whole passes of 64 values, a part of one, both
 def test_add_rms_norm_adds_in_place_then_normalises(hidden, dtype):
     norm = LlamaRMSNorm(hidden, eps=1e-6).to(dtype)
     norm.weight.data = tensor(dtype, hidden, seed=1)
@@ -108,7 +108,7 @@ def test_rotary_takes_views_of_one_projection_and_refuses_scattered_heads(dtype)
 
 
 @on_bf16
-@pytest.mark.parametrize("width", [1536, 40])
+@pytest.mark.parametrize("width", [1536, 40, 200])  # whole passes of 128 values, a part of one, both
 def test_silu_mul_matches_the_modules(width):
     """SiLU's exp is computed another way than torch's, so a bf16 result on a rounding edge may differ by one
     unit in its last place; nearly all are exact."""

@@ -29,13 +29,20 @@ void check_rows(const torch::Tensor& t, const char* name, int64_t width) {
   TORCH_CHECK(t.dim() >= 1 && t.size(-1) == width, name, " must end in ", width, " features, not ", t.sizes());
 }
 
-// The width-long row from p in vectors of 8, the last one masked: f(i, mask) for i = 0, 8, ...
+// A width-long row in vectors of 8: f(i, load, store) for i = 0, 8, ..., where load(p) and store(p, v) move the
+// vector at p, masked past the row's end for the last one alone. Against vmaskmovps at every step, add_rms_norm took
+// 0.50-0.65x the time and rotary_ 0.29-0.41x in fp32 summarise's prompt chunks (calls alternated; AMD EPYC Zen 5,
+// one thread).
 template <typename F>
 inline void each_vector(int64_t width, F f) {
   int64_t i = 0;
-  const __m256i all = _mm256_set1_epi32(-1);
-  for (; i + 8 <= width; i += 8) f(i, all);
-  if (i < width) f(i, tail_mask(width - i));
+  for (; i + 8 <= width; i += 8)
+    f(i, [](const float* p) { return _mm256_loadu_ps(p); }, [](float* p, __m256 v) { _mm256_storeu_ps(p, v); });
+  if (i < width) {
+    const __m256i mask = tail_mask(width - i);
+    f(i, [mask](const float* p) { return _mm256_maskload_ps(p, mask); },
+      [mask](float* p, __m256 v) { _mm256_maskstore_ps(p, mask, v); });
+  }
 }
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)), the formula of Llama's RMSNorm, for one row.
@@ -44,9 +51,8 @@ void norm_row(const float* x, const float* weight, float* out, int64_t H, float 
       H, [x](int64_t v) { const __m256 a = _mm256_loadu_ps(x + 8 * v); return _mm256_mul_ps(a, a); },
       [x](int64_t k) { return x[k] * x[k]; });
   const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(sum / static_cast<float>(H) + eps));
-  each_vector(H, [&](int64_t i, __m256i mask) {
-    const __m256 normed = _mm256_mul_ps(_mm256_maskload_ps(x + i, mask), scale);
-    _mm256_maskstore_ps(out + i, mask, _mm256_mul_ps(_mm256_maskload_ps(weight + i, mask), normed));
+  each_vector(H, [&](int64_t i, auto load, auto store) {
+    store(out + i, _mm256_mul_ps(load(weight + i), _mm256_mul_ps(load(x + i), scale)));
   });
 }
 
@@ -79,9 +85,8 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
   at::parallel_for(0, residual.numel() / H, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
       float* h = hp + r * H;
-      each_vector(H, [&](int64_t i, __m256i mask) {
-        _mm256_maskstore_ps(h + i, mask, _mm256_add_ps(_mm256_maskload_ps(h + i, mask),
-                                                       _mm256_maskload_ps(dp + r * H + i, mask)));
+      each_vector(H, [&](int64_t i, auto load, auto store) {
+        store(h + i, _mm256_add_ps(load(h + i), load(dp + r * H + i)));
       });
       norm_row(h, wp, op + r * H, H, static_cast<float>(eps));
     }
@@ -94,15 +99,14 @@ void rotate_heads(float* x, int64_t heads, int64_t D, const float* cos, const fl
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; h++) {
     float* head = x + h * D;
-    each_vector(half, [&](int64_t i, __m256i mask) {
-      const __m256 x1 = _mm256_maskload_ps(head + i, mask), x2 = _mm256_maskload_ps(head + half + i, mask);
+    each_vector(half, [&](int64_t i, auto load, auto store) {
+      const __m256 x1 = load(head + i), x2 = load(head + half + i);
       const __m256 minus_x2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
-      const __m256 first = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_maskload_ps(cos + i, mask)),
-                                         _mm256_mul_ps(minus_x2, _mm256_maskload_ps(sin + i, mask)));
-      const __m256 second = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_maskload_ps(cos + half + i, mask)),
-                                          _mm256_mul_ps(x1, _mm256_maskload_ps(sin + half + i, mask)));
-      _mm256_maskstore_ps(head + i, mask, first);
-      _mm256_maskstore_ps(head + half + i, mask, second);
+      const __m256 first = _mm256_add_ps(_mm256_mul_ps(x1, load(cos + i)), _mm256_mul_ps(minus_x2, load(sin + i)));
+      const __m256 second =
+          _mm256_add_ps(_mm256_mul_ps(x2, load(cos + half + i)), _mm256_mul_ps(x1, load(sin + half + i)));
+      store(head + i, first);
+      store(head + half + i, second);
     });
   }
 }
