@@ -29,6 +29,17 @@ constexpr int64_t ROWS_PER_TASK = 8;  // rows (tokens) of a parallel task: a dec
 
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
 
+// A width-long row in vectors of 16: f<V>(i, mask) for V vectors from value i, first V = N whole ones at a time (mask
+// 0xFFFF, a constant that makes their loads and stores plain ones), then the rest one at a time, the last masked past
+// the row's end. A pass does each step of its work for all V before the next, so V dependent chains are in flight.
+// Masked moves at every step, one vector at a time, took 2-4x the time in summarise's prompt chunks (below).
+template <int N, typename F>
+inline void in_passes(int64_t width, F f) {
+  int64_t i = 0;
+  for (; i + 16 * N <= width; i += 16 * N) f.template operator()<N>(i, 0xFFFF);
+  for (; i < width; i += 16) f.template operator()<1>(i, lanes(width - i));
+}
+
 inline __m512 load(const uint16_t* p, __mmask16 mask) { return bf16_to_fp32(_mm256_maskz_loadu_epi16(mask, p)); }
 
 inline void store(uint16_t* p, __m512 v, __mmask16 mask) {
@@ -60,41 +71,30 @@ float sum_of_squares(const uint16_t* x, int64_t H) {
       });
 }
 
-// Vectors of 16 values that the norms' row passes take at once, unmasked (the row's last part, masked, one at a
-// time): add_rms_norm took 0.81-0.89x the time on 16-512 rows of SmolLM2's 576 features, and 0.40-0.60x in
-// summarise's prompt chunks (calls alternated; AMD EPYC Zen 5, one thread).
+// Vectors a pass of the norms' rows (`in_passes`): against one masked vector at a time, add_rms_norm took 0.81-0.89x
+// the time on 16-512 rows of SmolLM2's 576 features, and 0.40-0.60x in summarise's prompt chunks (calls alternated;
+// AMD EPYC Zen 5, one thread).
 constexpr int ROW_VECTORS = 4;
 
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)), the formula of Llama's RMSNorm, for one row.
 void norm_row(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t H, float eps) {
   const float variance = sum_of_squares(x, H) / static_cast<float>(H);
   const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(variance + eps));
-  int64_t i = 0;
-  for (; i + 16 * ROW_VECTORS <= H; i += 16 * ROW_VECTORS) {
-    __m512 normed[ROW_VECTORS];
-    for (int v = 0; v < ROW_VECTORS; v++) normed[v] = round_bf16(_mm512_mul_ps(load(x + i + 16 * v, 0xFFFF), scale));
-    for (int v = 0; v < ROW_VECTORS; v++)
-      store(out + i + 16 * v, _mm512_mul_ps(load(weight + i + 16 * v, 0xFFFF), normed[v]), 0xFFFF);
-  }
-  for (; i < H; i += 16) {
-    const __mmask16 mask = lanes(H - i);
-    store(out + i, _mm512_mul_ps(load(weight + i, mask), round_bf16(_mm512_mul_ps(load(x + i, mask), scale))), mask);
-  }
+  in_passes<ROW_VECTORS>(H, [&]<int V>(int64_t i, __mmask16 mask) {
+    __m512 normed[V];
+    for (int v = 0; v < V; v++) normed[v] = round_bf16(_mm512_mul_ps(load(x + i + 16 * v, mask), scale));
+    for (int v = 0; v < V; v++)
+      store(out + i + 16 * v, _mm512_mul_ps(load(weight + i + 16 * v, mask), normed[v]), mask);
+  });
 }
 
 // h += delta over one row, rounded to bf16 as `residual + delta` is.
 void add_row(uint16_t* h, const uint16_t* delta, int64_t H) {
-  int64_t i = 0;
-  for (; i + 16 * ROW_VECTORS <= H; i += 16 * ROW_VECTORS) {
-    __m512 sum[ROW_VECTORS];
-    for (int v = 0; v < ROW_VECTORS; v++)
-      sum[v] = _mm512_add_ps(load(h + i + 16 * v, 0xFFFF), load(delta + i + 16 * v, 0xFFFF));
-    for (int v = 0; v < ROW_VECTORS; v++) store(h + i + 16 * v, sum[v], 0xFFFF);
-  }
-  for (; i < H; i += 16) {
-    const __mmask16 mask = lanes(H - i);
-    store(h + i, _mm512_add_ps(load(h + i, mask), load(delta + i, mask)), mask);
-  }
+  in_passes<ROW_VECTORS>(H, [&]<int V>(int64_t i, __mmask16 mask) {
+    __m512 sum[V];
+    for (int v = 0; v < V; v++) sum[v] = _mm512_add_ps(load(h + i + 16 * v, mask), load(delta + i + 16 * v, mask));
+    for (int v = 0; v < V; v++) store(h + i + 16 * v, sum[v], mask);
+  });
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
@@ -132,16 +132,14 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
   return out;
 }
 
-// x = x * cos + rotate_half(x) * sin over each head of one token, in place, rounding as the torch ops do. WHOLE:
-// half of head_dim is whole vectors, so no load or store is masked: the masked ones took 2.4-4.6x the time in
-// summarise's prompt chunks (calls alternated; AMD EPYC Zen 5, one thread).
-template <bool WHOLE>
+// x = x * cos + rotate_half(x) * sin over each head of one token, in place, rounding as the torch ops do. Each half
+// a vector at a time (`in_passes`): masked moves at every step took 2.4-4.6x the time in summarise's prompt chunks
+// (calls alternated; AMD EPYC Zen 5, one thread).
 void rotate_heads(uint16_t* x, int64_t heads, int64_t D, const uint16_t* cos, const uint16_t* sin) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; h++) {
     uint16_t* head = x + h * D;
-    for (int64_t i = 0; i < half; i += 16) {
-      const __mmask16 mask = WHOLE ? 0xFFFF : lanes(half - i);
+    in_passes<1>(half, [&]<int>(int64_t i, __mmask16 mask) {
       const __m512 x1 = load(head + i, mask), x2 = load(head + half + i, mask);
       const __m512 first = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load(cos + i, mask))),
                                          round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
@@ -150,7 +148,7 @@ void rotate_heads(uint16_t* x, int64_t heads, int64_t D, const uint16_t* cos, co
                                           round_bf16(_mm512_mul_ps(x1, load(sin + half + i, mask))));
       store(head + i, first, mask);
       store(head + half + i, second, mask);
-    }
+    });
   }
 }
 
@@ -178,11 +176,10 @@ void rotary_(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::T
   uint16_t* kp = bf16_data(key);
   const uint16_t* cp = bf16_data(cos);
   const uint16_t* sp = bf16_data(sin);
-  const auto rotate = D / 2 % 16 == 0 ? rotate_heads<true> : rotate_heads<false>;
   at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
-      rotate(qp + t * q_stride, H, D, cp + t * D, sp + t * D);
-      rotate(kp + t * k_stride, Hkv, D, cp + t * D, sp + t * D);
+      rotate_heads(qp + t * q_stride, H, D, cp + t * D, sp + t * D);
+      rotate_heads(kp + t * k_stride, Hkv, D, cp + t * D, sp + t * D);
     }
   });
 }
@@ -197,11 +194,10 @@ inline __m512 silu(__m512 x) {
   return _mm512_div_ps(numerator, _mm512_add_ps(one, e));
 }
 
-// Vectors of 16 values that silu_mul takes at once, unmasked, each step of the work done for all of them before the
-// next: one vector's SiLU is a chain of ~25 dependent operations (exp's polynomial, then a division), and
-// interleaved chains keep the pipes busy. Against one masked vector at a time, 8 a pass took 0.74x the time on 512
-// rows of SmolLM2's 1,536 outputs, and 0.32-0.48x in summarise's prompt chunks, where the loads wait on L3 (calls
-// alternated; AMD EPYC Zen 5, one thread); 4 a pass 0.78x and 0.41-0.55x (8 took 0.86x 4's time there).
+// Vectors a pass of silu_mul's rows (`in_passes`): one vector's SiLU is a chain of ~25 dependent operations (exp's
+// polynomial, then a division). Against one masked vector at a time, 8 a pass took 0.74x the time on 512 rows of
+// SmolLM2's 1,536 outputs, and 0.32-0.48x in summarise's prompt chunks, where the loads wait on L3 (calls alternated;
+// AMD EPYC Zen 5, one thread); 4 a pass 0.78x and 0.41-0.55x (8 took 0.86x 4's time there).
 constexpr int SILU_VECTORS = 8;
 
 // bf16(SiLU(gate)) * up, rounded as `act_fn(gate) * up` is; gate and up [T, I].
@@ -220,18 +216,13 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
       const uint16_t* g = gp + r * g_stride;
       const uint16_t* u = upp + r * u_stride;
       uint16_t* o = op + r * I;
-      int64_t i = 0;
-      for (; i + 16 * SILU_VECTORS <= I; i += 16 * SILU_VECTORS) {
-        __m512 activated[SILU_VECTORS];
-        for (int v = 0; v < SILU_VECTORS; v++) activated[v] = load(g + i + 16 * v, 0xFFFF);
-        for (int v = 0; v < SILU_VECTORS; v++) activated[v] = round_bf16(silu(activated[v]));
-        for (int v = 0; v < SILU_VECTORS; v++)
-          store(o + i + 16 * v, _mm512_mul_ps(activated[v], load(u + i + 16 * v, 0xFFFF)), 0xFFFF);
-      }
-      for (; i < I; i += 16) {
-        const __mmask16 mask = lanes(I - i);
-        store(o + i, _mm512_mul_ps(round_bf16(silu(load(g + i, mask))), load(u + i, mask)), mask);
-      }
+      in_passes<SILU_VECTORS>(I, [&]<int V>(int64_t i, __mmask16 mask) {
+        __m512 activated[V];
+        for (int v = 0; v < V; v++) activated[v] = load(g + i + 16 * v, mask);
+        for (int v = 0; v < V; v++) activated[v] = round_bf16(silu(activated[v]));
+        for (int v = 0; v < V; v++)
+          store(o + i + 16 * v, _mm512_mul_ps(activated[v], load(u + i + 16 * v, mask)), mask);
+      });
     }
   });
   return out;
