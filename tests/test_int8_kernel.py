@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rqbatcher.kernels import native
-from rqbatcher.workers.model.int8_linear import int8_linear_reference
+from rqbatcher.workers.model.int8_linear import TINY, int8_linear_reference
 
 BLOCK = native.INT8_BLOCK
 pytestmark = pytest.mark.skipif(any(flag not in native.cpu_flags() for flag in native.INT8.cpu_flags),
@@ -44,10 +44,11 @@ def reference(x, qweight, wscale, bias):
     pad = -K % BLOCK
     blocks = F.pad(x.reshape(rows, K), (0, pad)).view(rows, -1, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    # 127 / amax as one fp32 division, as the kernel does (torch's `127.0 / amax` is `amax.reciprocal() * 127`)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    # 127 / amax as one fp32 division, as the kernel does (torch's `127.0 / amax` is `amax.reciprocal() * 127`); a
+    # block below TINY is zeros
+    inv = torch.where(amax >= TINY, torch.full_like(amax, 127.0) / amax, 0.0)
     qx = torch.round(blocks * inv).clamp(-127, 127)
-    sx = (amax / 127).squeeze(-1)
+    sx = torch.where(amax < TINY, 0.0, amax / 127).squeeze(-1)
     isum = torch.einsum("rbk,nbk->rnb", qx.double(), F.pad(qweight.double(), (0, pad)).view(N, -1, BLOCK))
     terms = sx.double()[:, None, :] * isum
     y = wscale.double() * terms.sum(-1) + (0 if bias is None else bias.double())
@@ -153,13 +154,31 @@ def test_a_nan_an_infinity_a_zero_or_a_tiny_block_among_sixteen_gives_the_avx2_v
     x[0, 40] = float("nan")  # the first 16 blocks
     x[1, 600] = float("-inf")  # the second 16
     x[2, 64:96] = 0  # a zero block; the rest of the row as usual
-    x[3, 96:128] = 1e-40  # subnormal: 127 / amax overflows
+    x[3, 96:128] = 1e-40  # subnormal: below TINY, zeros
     x[4, 1090] = float("inf")  # the shorter last block, quantized alone
     x[5, 1024:1056] = -3e38  # the largest finite values
     for xs in (x, x.bfloat16()):
         got = kernel(xs, qweight, wscale, bias, isa)
         torch.testing.assert_close(got, kernel(xs, qweight, wscale, bias, "avx2"), rtol=0, atol=0, equal_nan=True)
         assert got[[0, 1, 4]].isnan().all()
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_a_block_of_subnormals_counts_as_zeros_in_the_kernel_and_the_reference(isa):
+    """127 / amax overflows float32 below TINY: such a block is zeros (scale 0), where it was x * inf, NaN at a zero
+    in the torch reference (a whole row NaN) and -127 at every value in the kernel. A block at TINY itself is kept."""
+    x, qweight, wscale, bias = operands(4, 100, 19, seed=9)
+    x[0, :32] = 1e-40  # every value subnormal,
+    x[0, 7] = 0.0  # one a zero
+    x[1, 32:64] = -3e-39
+    x[2, 64:96] = torch.linspace(-TINY, TINY, 32)  # a max of TINY: quantized as any block
+    got = kernel(x, qweight, wscale, bias, isa)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, int8_linear_reference(x, qweight, wscale, bias))
+    check(x, qweight, wscale, bias, isa)
+    without = x.clone()
+    without[[0, 1], :96] = torch.where(without[[0, 1], :96].abs() < TINY, 0.0, without[[0, 1], :96])
+    assert torch.equal(got[:2], kernel(without[:2], qweight, wscale, bias, isa))
 
 
 def test_zero_rows_of_w_and_x_and_zero_blocks_give_zeros_not_nans():

@@ -12,8 +12,8 @@
 //   packed once at load (the layout below), u8 [ceil(N / 16), 16 * BLOCK * ceil(K / BLOCK)].
 // - x fp32 or bf16 [..., K] (M rows; any M, any K >= 1; bf16 widened to fp32 exactly), quantized per row in
 //   blocks of BLOCK = 32 along K (the last one may be shorter): amax = max |x[r, block]|, sx = amax / 127,
-//   qx = round_half_even(x * (127.0f / amax)) in [-127, 127] (amax 0: sx 0, q 0). _mm256_cvtps_epi32 rounds to
-//   nearest even under the default MXCSR mode, as torch.round does.
+//   qx = round_half_even(x * (127.0f / amax)) in [-127, 127] (amax below TINY, where 127 / amax overflows: sx 0,
+//   q 0). _mm256_cvtps_epi32 rounds to nearest even under the default MXCSR mode, as torch.round does.
 // - y[r, n] = (sum_b(sx[r, b] * isum[r, n, b]) * wscale[n]) + bias[n] in fp32 [..., N], each operation rounded,
 //   the blocks in order, isum the exact int32 dot of block b's int8 values; in x's dtype (bf16 rounded to nearest
 //   even, as torch's `.to` rounds): a bf16 model's linears then cast nothing around the call.
@@ -80,6 +80,7 @@ constexpr int BLOCK = INT8_BLOCK;  // kernels/build.py's INT8_BLOCK: x's quantiz
 static_assert(BLOCK == 32, "a block is one 256-bit vector of int8");
 constexpr int TILE = INT8_TILE;     // kernels/build.py's INT8_TILE: outputs per packed tile
 static_assert(TILE == 16, "a tile is two 256-bit vectors of 4 bytes of K for 8 outputs each");
+constexpr float TINY = 0x1p-121f;  // workers/model/int8_linear.py's TINY: the least amax a block keeps
 constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
 // Bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x (a pass of several tiles: the same line of
 // the next tiles). Until 2026-12-06 a template parameter of the same name hid this constant in int8_tiles.h, so those
@@ -151,7 +152,7 @@ inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t* offset) {
   const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
   const bool nan = _mm256_movemask_ps(bad);  // then the scale is NaN: the row's outputs are NaN, as torch's are
   *offset = 0;
-  if (nan || amax == 0.0f) {  // a zero block: q 0, scale 0
+  if (nan || amax < TINY) {  // a zero (or subnormal) block: q 0, scale 0
     std::memset(q, 0, BLOCK);
     return nan ? NAN : 0.0f;
   }
@@ -389,7 +390,7 @@ inline void quantize_blocks(const T* x, int64_t count, int8_t* q, float* scale, 
   const __mmask16 bad = _mm512_cmpge_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));  // a NaN or an infinity
   const __m512 amax = _mm512_castsi512_ps(bits);
   const __m512 factor = _mm512_div_ps(_mm512_set1_ps(127.0f), amax);
-  const __mmask16 zeroed = bad | _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_EQ_OQ);  // q 0, offset 0
+  const __mmask16 zeroed = bad | _mm512_cmp_ps_mask(amax, _mm512_set1_ps(TINY), _CMP_LT_OQ);  // q 0, offset 0
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
 #pragma GCC unroll 16
   for (int b = 0; b < 16; b++) {
@@ -409,7 +410,8 @@ inline void quantize_blocks(const T* x, int64_t count, int8_t* q, float* scale, 
   }
   alignas(64) float scales[16];
   alignas(64) int32_t offsets[16];
-  _mm512_store_ps(scales, _mm512_mask_mov_ps(_mm512_div_ps(amax, _mm512_set1_ps(127.0f)), bad, _mm512_set1_ps(NAN)));
+  const __m512 kept = _mm512_maskz_div_ps(static_cast<__mmask16>(~zeroed), amax, _mm512_set1_ps(127.0f));
+  _mm512_store_ps(scales, _mm512_mask_mov_ps(kept, bad, _mm512_set1_ps(NAN)));
   const __m512i sums = fold(folded, [](__m512i a, __m512i b) { return _mm512_add_epi32(a, b); });
   _mm512_store_si512(offsets, _mm512_mullo_epi32(_mm512_set1_epi32(-128), sums));
   for (int64_t b = 0; b < count; b++) {

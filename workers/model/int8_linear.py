@@ -13,7 +13,8 @@ as well, and `int8_linear_reference` in torch (the reference, and what runs wher
   [-127, 127], where `clip[n]` is the fraction of max_k |W[n, k]| (1 down to 0.76) of least squared error (a zero
   row: scale 0, all 0);
 - activations per row, in blocks of QUANT_BLOCK along K (the last one may be shorter), at every call:
-  `sx[r, b] = amax / 127`, `qx = round(x * (127 / amax))` with `amax = max |x[r, block b]|` (0: scale 0, all 0);
+  `sx[r, b] = amax / 127`, `qx = round(x * (127 / amax))` with `amax = max |x[r, block b]|` (below TINY, where
+  127 / amax would overflow float32: scale 0, all 0);
 - `y[r, n] = wscale[n] * sum_b sx[r, b] * float(sum_{k in b} qx[r, k] * qweight[n, k]) + bias[n]`, in float32.
 A block's integer dot product stays below 2**24 in magnitude (32 * 127 * 127), so the reference computes it exactly
 in float32 (any summation order gives the same bits) and then adds the blocks in order, one elementwise op each;
@@ -36,6 +37,9 @@ from rqbatcher.workers.model.packed_linear import JointLinear
 
 QUANT_MAX = 127  # symmetric: -127..127, never -128
 QUANT_BLOCK = 32  # activations' block along K: 32 * 127 * 127 < 2**24, exact in float32
+# The least max |value| that a block or a weight row keeps (below: all 0): 127 / 2**-121 < float32's max, where a
+# smaller max overflowed it (x * inf: NaN at a zero, so a block of subnormals made its row NaN)
+TINY = 2.0**-121
 CLIP_RATIOS = tuple(1.0 - 0.01 * i for i in range(25))  # of a weight row's max |w|, tried for its clip
 # float32 values of a weight quantized at once (1 MB): the clip search's temporaries stay in L2 and reuse their memory,
 # where chunks of 4,096 rows faulted in fresh pages at every operation (a 4,096 x 14,336 weight 8-9x the time)
@@ -55,9 +59,9 @@ def _scale_and_quantize(values: torch.Tensor, clip: torch.Tensor | None = None) 
     clip = values.abs().amax(dim=-1) if clip is None else clip
     # 127 / clip as one float32 division, as the native kernel computes it (torch's `127 / clip` would be
     # `clip.reciprocal() * 127`, rounded twice)
-    inverse = torch.where(clip > 0, torch.full_like(clip, QUANT_MAX) / clip, 0.0)
+    inverse = torch.where(clip >= TINY, torch.full_like(clip, QUANT_MAX) / clip, 0.0)
     quantized = torch.round(values * inverse.unsqueeze(-1)).clamp_(-QUANT_MAX, QUANT_MAX)
-    return quantized, clip / QUANT_MAX
+    return quantized, torch.where(clip < TINY, 0.0, clip / QUANT_MAX)  # NaN stays NaN
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
