@@ -1,11 +1,14 @@
 """What int8 weights (`--quantization int8`) cost in quality: the model in float32 against the same model on int8
 weights (`rqbatcher.workers.model.int8_linear`).
 
-    python -m benchmarks.int8_quality [--model smollm2] [--threads 1] [--json int8-quality.json]
+    python -m benchmarks.int8_quality [--model smollm2] [--threads 1] [--text FILE] [--json int8-quality.json]
 
 - perplexity over a held-out text (benchmarks/data/held_out.txt: original everyday prose, in no training set by
-  construction), in windows of --window tokens, each scored on its own (the first token of a window predicts
-  nothing); transformers' forward of the model, once with its own linears and once with `quantize_linears` applied;
+  construction; or --text, any UTF-8 file), in windows of --window tokens, each scored on its own (the first token of
+  a window predicts nothing); transformers' forward of the model, once with its own linears and once with
+  `quantize_linears` applied. The bundled text is 2,375 of SmolLM2's tokens: too few to tell changes of a few tenths
+  of a percent apart (x's scales as powers of two scored +0.82% against +0.78% on it, +1.29% against +0.65% over
+  24,576 tokens of docs/*.md), so score a longer text of your own before trusting such a difference;
 - the most likely next token at each held-out position (teacher-forced), the same or not in both;
 - greedy agreement through the engine (`build_engine`, float32, then float32 with `quantization="int8"`): the first
   --prompts requests of the bundled summarise workload, --max-tokens tokens each (EOS ignored), all at once; the
@@ -95,11 +98,26 @@ def agreement(exact: list[list[int]], approximate: list[list[int]]) -> dict:
             "first_difference": first, "median_first_difference": statistics.median(first)}
 
 
-def run(model: str, threads: int, window: int, num_prompts: int, max_tokens: int) -> dict:
+class TextError(ValueError):
+    """A text that perplexity cannot be scored on."""
+
+
+def text_ids(tokenizer, text: Path) -> list[int]:
+    """The token ids of the UTF-8 file `text`, at least 2 of them."""
+    try:
+        ids = tokenizer(text.read_text(encoding="utf-8"))["input_ids"]
+    except UnicodeDecodeError as exc:
+        raise TextError(f"{text} is not UTF-8 text ({exc})") from None
+    if len(ids) < 2:
+        raise TextError(f"{text} has {len(ids)} token(s): perplexity needs at least 2")
+    return ids
+
+
+def run(model: str, threads: int, window: int, num_prompts: int, max_tokens: int, text: Path = HELD_OUT) -> dict:
     torch.set_num_threads(threads)
     path = resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer(HELD_OUT.read_text())["input_ids"]
+    ids = text_ids(tokenizer, text)
     float_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     megabytes = weight_megabytes(float_model)
     int8_model = copy.deepcopy(float_model)
@@ -116,7 +134,7 @@ def run(model: str, threads: int, window: int, num_prompts: int, max_tokens: int
     approximate, approximate_s = generate(path, QUANTIZATION_INT8, prompts, max_tokens)
     return {"cpu": cpu_name(), "threads": threads, "model": model, "torch": torch.__version__,
             "int8_kernel": "native kernel" if native_int8(torch.device("cpu")) else "torch reference",
-            "quantized_linears": linears, "held_out_tokens": len(ids), "window": window,
+            "quantized_linears": linears, "text": text.name, "text_tokens": len(ids), "window": window,
             "perplexity": scores, "perplexity_s": timings,
             "next_token_agreement": (top[QUANTIZATION_NONE] == top[QUANTIZATION_INT8]).float().mean().item(),
             "linear_weights_mb": megabytes,
@@ -132,9 +150,9 @@ def table(report: dict) -> str:
     lines = [f"{report['model']} on {report['cpu']}, {report['threads']} thread(s), torch {report['torch']}; "
              f"int8 linears on the {report['int8_kernel']} ({report['quantized_linears']} linears)", "",
              "| | float32 | int8 |", "|---|---|---|",
-             f"| perplexity ({report['held_out_tokens']} held-out tokens, windows of {report['window']}) | "
+             f"| perplexity ({report['text_tokens']} tokens of {report['text']}, windows of {report['window']}) | "
              f"{ppl[QUANTIZATION_NONE]:.3f} | {ppl[QUANTIZATION_INT8]:.3f} ({change:+.2%}) |",
-             f"| most likely next token, teacher-forced on the held-out text | - | "
+             f"| most likely next token, teacher-forced on the text | - | "
              f"{report['next_token_agreement']:.1%} the same as float32's |",
              f"| greedy tokens identical ({greedy['prompts']} {greedy['workload']} prompts x {greedy['max_tokens']}) "
              f"| - | {greedy['identical_tokens']:.1%} ({greedy['identical_requests']}/{greedy['prompts']} requests "
@@ -155,9 +173,15 @@ def table(report: dict) -> str:
 @click.option("--prompts", "num_prompts", type=click.IntRange(1), default=DEFAULT_PROMPTS, show_default=True,
               help="Requests of the summarise workload for greedy agreement.")
 @click.option("--max-tokens", type=click.IntRange(1), default=DEFAULT_MAX_TOKENS, show_default=True)
+@click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=HELD_OUT,
+              help="A UTF-8 text to score perplexity on.  [default: the bundled held-out text]")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the report as JSON.")
-def main(model: str, threads: int, window: int, num_prompts: int, max_tokens: int, json_path: str | None) -> None:
-    report = run(model, threads, window, num_prompts, max_tokens)
+def main(model: str, threads: int, window: int, num_prompts: int, max_tokens: int, text: Path,
+         json_path: str | None) -> None:
+    try:
+        report = run(model, threads, window, num_prompts, max_tokens, text)
+    except TextError as exc:
+        raise click.BadParameter(str(exc), param_hint="--text") from None
     click.echo(table(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
