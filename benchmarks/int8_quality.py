@@ -9,7 +9,7 @@ weights (`rqbatcher.workers.model.int8_linear`).
   `quantize_linears` applied. The bundled text is 2,375 of SmolLM2's tokens: too few to tell changes of a few tenths
   of a percent apart (x's scales as powers of two scored +0.82% against +0.78% on it, +1.29% against +0.65% over
   24,576 tokens of docs/*.md), so score a longer text of your own before trusting such a difference;
-- the most likely next token at each held-out position (teacher-forced), the same or not in both;
+- the most likely next token at each position of the text (teacher-forced), the same or not in both;
 - greedy agreement through the engine (`build_engine`, float32, then float32 with `quantization="int8"`): the first
   --prompts requests of the bundled summarise workload, --max-tokens tokens each (EOS ignored), all at once; the
   fraction of generated tokens equal at the same position, and where each request's tokens first differ. The

@@ -73,6 +73,7 @@ from rqbatcher.kernels.build import (  # noqa: F401  (what each build is made of
     INT8,
     INT8_BLOCK,
     INT8_TILE,
+    INT8_TINY,
     LINEAR_MAX_ROWS,
     MAX_QUERY_HEADS_PER_KV_HEAD,
     Build,

@@ -80,7 +80,7 @@ constexpr int BLOCK = INT8_BLOCK;  // kernels/build.py's INT8_BLOCK: x's quantiz
 static_assert(BLOCK == 32, "a block is one 256-bit vector of int8");
 constexpr int TILE = INT8_TILE;     // kernels/build.py's INT8_TILE: outputs per packed tile
 static_assert(TILE == 16, "a tile is two 256-bit vectors of 4 bytes of K for 8 outputs each");
-constexpr float TINY = 0x1p-121f;  // workers/model/int8_linear.py's TINY: the least amax a block keeps
+constexpr float TINY = INT8_TINY;  // kernels/build.py's INT8_TINY: the least amax a block keeps
 constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
 // Bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x (a pass of several tiles: the same line of
 // the next tiles). Until 2026-12-06 a template parameter of the same name hid this constant in int8_tiles.h, so those

@@ -37,9 +37,9 @@ from rqbatcher.workers.model.packed_linear import JointLinear
 
 QUANT_MAX = 127  # symmetric: -127..127, never -128
 QUANT_BLOCK = 32  # activations' block along K: 32 * 127 * 127 < 2**24, exact in float32
-# The least max |value| that a block or a weight row keeps (below: all 0): 127 / 2**-121 < float32's max, where a
-# smaller max overflowed it (x * inf: NaN at a zero, so a block of subnormals made its row NaN)
-TINY = 2.0**-121
+# The least max |value| that a block or a weight row keeps (below: all 0), the kernel's: a smaller max overflowed
+# 127 / max (x * inf: NaN at a zero, so a block of subnormals made its row NaN)
+TINY = native.INT8_TINY
 CLIP_RATIOS = tuple(1.0 - 0.01 * i for i in range(25))  # of a weight row's max |w|, tried for its clip
 # float32 values of a weight quantized at once (1 MB): the clip search's temporaries stay in L2 and reuse their memory,
 # where chunks of 4,096 rows faulted in fresh pages at every operation (a 4,096 x 14,336 weight 8-9x the time)
