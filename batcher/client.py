@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeVar
 
 from redis import Redis
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
@@ -56,6 +57,7 @@ REDIS_URL_ENV = "BATCHER_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_SUMMARY_INSTRUCTIONS = "Summarise the following document in a few sentences."
 DEFAULT_SUMMARY_MAX_TOKENS = 256
+T = TypeVar("T")
 POLL_S = 1.0  # how long one blocking read waits before the job's status is checked again
 
 
@@ -113,6 +115,7 @@ class Client:
         self.enqueuer = Enqueuer(self.connection, keys.check_queue(queue), result_ttl, failure_ttl, queue_ttl,
                                  max_queue_length, replica_wait)
         self.queue = self.enqueuer.queue
+        self.reached = False  # once this client has reached Redis, a later outage is waited out, not raised
 
     # ----- enqueue -----
     def submit(self, request: GenerationRequest | str | dict, *, job_id: str | None = None) -> str:
@@ -123,7 +126,9 @@ class Client:
                     job_ids: list[str] | None = None) -> list[str]:
         """Enqueue many requests in one transaction; return their job ids in order. A request that names a
         `model` goes to that model's queue, which only workers serving the model poll."""
-        return self.enqueuer.submit([as_request(r) for r in requests], job_ids)
+        job_ids = self.enqueuer.submit([as_request(r) for r in requests], job_ids)
+        self.reached = True
+        return job_ids
 
     def summarise(self, document: str, instructions: str | None = None, *, sampling: SamplingParams | None = None,
                   job_id: str | None = None, **request_fields) -> str:
@@ -143,9 +148,9 @@ class Client:
         of the restart's execution are yielded and the text starts over; a reader never mixes the text of a lost
         attempt with the new one. A job that ends without a terminal event (one that
         expired while queued) ends the stream with one inferred from its status. Redis outages after the
-        start are waited out."""
-        self.connection.ping()  # Redis unreachable from the start is an error at once; later outages are waited out
+        start are waited out, and so is one at the start where this client has reached Redis before."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._first_call(self.connection.ping, deadline)
 
         def read(step: Read):
             if not step.block:
@@ -160,9 +165,10 @@ class Client:
                                                                              deadline=deadline))
 
     def result(self, job_id: str, timeout: float | None = None) -> GenerationResult:
-        """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError."""
+        """Wait for the job's result. Raise JobFailed (with the reason), JobNotFound, or TimeoutError.
+        A Redis outage is waited out until `timeout`, except in a client that has never reached Redis."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = self._fetch(job_id)  # an unknown job, or Redis unreachable from the start, is an error at once
+        job = self._first_call(self._fetch, deadline, job_id)  # an unknown job is an error at once
         while True:
             result = retry_while_unreachable(self._wait_for_result, job, deadline, timeout, deadline=deadline)
             if result is not None:
@@ -261,6 +267,16 @@ class Client:
         return sorted({w.model for w in list_workers(self.connection)})
 
     # ----- helpers -----
+    def _first_call(self, call: Callable[..., T], deadline: float | None, *args) -> T:
+        """The first Redis call of a wait. Unreachable in a client that has never reached Redis, it is an error at
+        once (most likely a wrong address); in one that has, an outage is waited out until `deadline`, as a
+        client waiting on many jobs meets it between two of them."""
+        if self.reached:
+            return retry_while_unreachable(call, *args, deadline=deadline)
+        answer = call(*args)
+        self.reached = True
+        return answer
+
     def _fetch(self, job_id: str) -> Job:
         try:
             return Job.fetch(keys.check_job_id(job_id), connection=self.connection, serializer=JSONSerializer)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
+import redis
 from click.testing import CliRunner
+from fakeredis import FakeRedis
 from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -136,6 +139,34 @@ def test_result_waits_then_times_out_and_unknown_jobs_are_reported(fake_redis):
         client.result("no-such-job")
     with pytest.raises(JobNotFound):
         client.status("no-such-job")
+
+
+def test_a_client_that_has_reached_redis_waits_out_an_outage_at_the_start_of_a_wait(fake_redis):
+    """A client waiting on many jobs meets an outage between two of them: it waits, where a client that never
+    reached Redis (a wrong address, most likely) gets the error at once."""
+    server = fake_redis.connection_pool.connection_kwargs["server"]
+    client = Client(fake_redis, queue="o")
+    job_id = client.submit("a")
+    never_reached = Client(FakeRedis(server=server), queue="o")
+    server.connected = False
+    with pytest.raises(redis.exceptions.ConnectionError):
+        never_reached.result(job_id, timeout=5)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        next(never_reached.stream(job_id, timeout=5))
+
+    def back_up_and_cancel():
+        server.connected = True
+        Client(FakeRedis(server=server), queue="o").cancel(job_id)
+
+    threading.Timer(0.3, back_up_and_cancel).start()
+    with pytest.raises(JobFailed, match="cancelled"):
+        client.result(job_id, timeout=20)
+    server.connected = False
+    threading.Timer(0.3, lambda: setattr(server, "connected", True)).start()
+    assert [e.finish_reason for e in client.stream(job_id, timeout=20)] == ["cancelled"]
+    server.connected = False
+    with pytest.raises(redis.exceptions.ConnectionError):  # a timeout still bounds the wait
+        client.result(job_id, timeout=0.2)
 
 
 def test_stream_keeps_only_the_restarted_attempt(fake_redis):
