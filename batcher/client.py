@@ -115,7 +115,7 @@ class Client:
         self.enqueuer = Enqueuer(self.connection, keys.check_queue(queue), result_ttl, failure_ttl, queue_ttl,
                                  max_queue_length, replica_wait)
         self.queue = self.enqueuer.queue
-        self.reached = False  # once this client has reached Redis, a later outage is waited out, not raised
+        self._reached = False  # once this client has reached Redis, a later outage is waited out, not raised
 
     # ----- enqueue -----
     def submit(self, request: GenerationRequest | str | dict, *, job_id: str | None = None) -> str:
@@ -127,7 +127,7 @@ class Client:
         """Enqueue many requests in one transaction; return their job ids in order. A request that names a
         `model` goes to that model's queue, which only workers serving the model poll."""
         job_ids = self.enqueuer.submit([as_request(r) for r in requests], job_ids)
-        self.reached = True
+        self._reached = True
         return job_ids
 
     def summarise(self, document: str, instructions: str | None = None, *, sampling: SamplingParams | None = None,
@@ -271,10 +271,10 @@ class Client:
         """The first Redis call of a wait. Unreachable in a client that has never reached Redis, it is an error at
         once (most likely a wrong address); in one that has, an outage is waited out until `deadline`, as a
         client waiting on many jobs meets it between two of them."""
-        if self.reached:
+        if self._reached:
             return retry_while_unreachable(call, *args, deadline=deadline)
         answer = call(*args)
-        self.reached = True
+        self._reached = True
         return answer
 
     def _fetch(self, job_id: str) -> Job:
