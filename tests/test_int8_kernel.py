@@ -95,6 +95,16 @@ def test_int8_linear_matches_the_reference(rows, K, N, with_bias, isa):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+def test_every_row_count_of_a_decode_step_gives_the_references_bits(isa):
+    """1 to 33 rows: passes of a variant's rows over a tile and their remainders (4, 2, 1), and from 32 rows passes
+    over three tiles (here 3: every tile in one); K of whole blocks and a shorter last one."""
+    x, qweight, wscale, bias = operands(33, 200, 40, seed=17)
+    for rows in range(1, 34):
+        assert torch.equal(kernel(x[:rows], qweight, wscale, bias, isa),
+                           int8_linear_reference(x[:rows], qweight, wscale, bias)), rows
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_it_gives_the_torch_references_bits(isa):
     """The same operations in the same order as the model's reference: the bits, not only the values, agree, for
     fp32 x and for bf16 x (whose result is the reference's rounded to bf16)."""
