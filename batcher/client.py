@@ -115,7 +115,9 @@ class Client:
         self.enqueuer = Enqueuer(self.connection, keys.check_queue(queue), result_ttl, failure_ttl, queue_ttl,
                                  max_queue_length, replica_wait)
         self.queue = self.enqueuer.queue
-        self._reached = False  # once this client has reached Redis, a later outage is waited out, not raised
+        # Set once Redis has answered this client (a submit, a job fetched or found missing, a ping): from then on
+        # a wait waits out an outage at its start too
+        self._reached = False
 
     # ----- enqueue -----
     def submit(self, request: GenerationRequest | str | dict, *, job_id: str | None = None) -> str:
@@ -279,9 +281,12 @@ class Client:
 
     def _fetch(self, job_id: str) -> Job:
         try:
-            return Job.fetch(keys.check_job_id(job_id), connection=self.connection, serializer=JSONSerializer)
+            job = Job.fetch(keys.check_job_id(job_id), connection=self.connection, serializer=JSONSerializer)
         except NoSuchJobError:
+            self._reached = True
             raise JobNotFound(f"no job {job_id} (never enqueued, or expired)") from None
+        self._reached = True
+        return job
 
     def _status(self, job: Job) -> JobStatus:
         try:

@@ -168,6 +168,14 @@ def test_a_client_that_has_reached_redis_waits_out_an_outage_at_the_start_of_a_w
     with pytest.raises(redis.exceptions.ConnectionError):  # a timeout still bounds the wait
         client.result(job_id, timeout=0.2)
 
+    server.connected = True
+    asked_first = Client(FakeRedis(server=server), queue="o")
+    assert asked_first.status(job_id).status == "canceled"  # Redis answered this client: it waits from now on
+    server.connected = False
+    threading.Timer(0.3, lambda: setattr(server, "connected", True)).start()
+    with pytest.raises(JobFailed, match="cancelled"):
+        asked_first.result(job_id, timeout=20)
+
 
 def test_stream_keeps_only_the_restarted_attempt(fake_redis):
     """A restart switches readers to the new execution; a lost attempt still writing is ignored."""
