@@ -57,8 +57,9 @@ REDIS_URL_ENV = "BATCHER_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_SUMMARY_INSTRUCTIONS = "Summarise the following document in a few sentences."
 DEFAULT_SUMMARY_MAX_TOKENS = 256
-T = TypeVar("T")
 POLL_S = 1.0  # how long one blocking read waits before the job's status is checked again
+
+T = TypeVar("T")  # what a Redis call passed to `_first_call` returns
 
 
 class JobFailed(BatcherError, RuntimeError):
