@@ -52,10 +52,14 @@ CSRC = Path(__file__).parent / "csrc"
 LINEAR_MAX_ROWS = 4  # rows of x up to which small_linear beats oneDNN's packed bf16 linear (measured at 1-4)
 MAX_QUERY_HEADS_PER_KV_HEAD = 8  # paged_decode
 FP32_LINEAR_MAX_ROWS = 32  # rows of x up to which fp32_linear beats MKL (1.36x at 1 row, 1.9x at 2-4, 1.09x at 32)
-INT8_BLOCK = 32  # int8_linear quantizes x per block of this many values along K (one AVX2 vector of int8)
+INT8_BLOCK = 32  # values of K that int8_linear's passes take at a time (one AVX2 vector of int8, one AMX product)
 # The least max |x| that an int8_linear block of x keeps (below it, zeros): 127 / 2**-121 is below float32's max
 INT8_TINY = 2.0**-121
 INT8_TILE = 16  # outputs per tile of int8_linear's packed weights (native.int8_pack): two vectors of 8 outputs
+# int8_linear rotates x and W along K in blocks of this many values (a Hadamard transform after these signs flip
+# values: bit i of INT8_SIGNS negates value i of each block), so that x's scale per row fits every block of it
+INT8_ROTATION = 64
+INT8_SIGNS = 0x9E3779B97F4A7C15
 # at::parallel_for splits work across torch's threads only in a build compiled with OpenMP (without it, ATen's
 # header runs the whole range on the calling thread: every kernel was single-threaded whatever --threads said); the
 # link then names libgomp.so.1, which resolves to the copy torch has loaded, so torch.set_num_threads governs the
@@ -95,7 +99,8 @@ FP32 = Build("fp32", "batcher_fp32_kernels",
 # Linears on int8 weights (AVX2 integer dots; AVX-512 VNNI ones, and AMX-INT8 tile products, chosen at run time).
 INT8 = Build("int8", "batcher_int8_kernels", ("int8_linear.cpp",), ("amx.h", "avx2.h", "int8_tiles.h"), ("avx2", "fma"),
              ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", OPENMP, f"-DINT8_BLOCK={INT8_BLOCK}",
-              f"-DINT8_TILE={INT8_TILE}", f"-DINT8_TINY={INT8_TINY.hex()}f"))
+              f"-DINT8_TILE={INT8_TILE}", f"-DINT8_TINY={INT8_TINY.hex()}f", f"-DINT8_ROTATION={INT8_ROTATION}",
+              f"-DINT8_SIGNS={INT8_SIGNS:#x}ULL"))
 BUILDS = (BF16, FP32, INT8)  # every build: `main` (the image's build stage, setup.py) compiles them all
 
 

@@ -18,12 +18,12 @@ read at well below the memory's pace there (on CPUs with AVX-512 too: a lone fp3
 step's keys and values to the cache (`write_kv`), in any dtype.
 
 The int8 build (`INT8`: AVX2 and FMA, so it loads on every AVX2 CPU, AVX-512 ones included, beside either build
-above) holds `int8_linear`: `x @ W.T + b` on weights of one byte (symmetric per output channel, `wscale`), x
-quantized per row in blocks of INT8_BLOCK (32) values with a scale each, integer dots per block (llama.cpp's Q8_0
-arithmetic on AVX2; one AVX-512 VNNI instruction per block's dot where the CPU has it, and from 10 rows AMX-INT8
-tile products where it has those, chosen at run time, with the same bits), for 8-bit models: a decode step streams
-a quarter of fp32's bytes. Any number of rows, each computed in one order whatever the rows beside it and the
-threads (batch invariant). The arithmetic is written in
+above) holds `int8_linear`: `x @ W.T + b` on weights of one byte (symmetric per output channel, `wscale`), x and W
+rotated along K in blocks of INT8_ROTATION (64: a Hadamard transform after fixed sign flips, INT8_SIGNS) and x
+quantized with one scale per row, exact integer dots (llama.cpp's Q8_0 dot on AVX2; AVX-512 VNNI's where the CPU
+has it, and from 24 rows AMX-INT8 tile products where it has those, chosen at run time, with the same bits), for
+8-bit models: a decode step streams a quarter of fp32's bytes. Any number of rows, each computed in one order
+whatever the rows beside it and the threads (batch invariant). The arithmetic is written in
 kernels/csrc/int8_linear.cpp's header; workers/model/int8_linear.py holds torch's reference of it.
 
 What each build is made of (sources, CPU flags, compile flags) is defined in `kernels.build`, and named here too.
@@ -72,6 +72,8 @@ from rqbatcher.kernels.build import (  # noqa: F401  (what each build is made of
     FP32_LINEAR_MAX_ROWS,
     INT8,
     INT8_BLOCK,
+    INT8_ROTATION,
+    INT8_SIGNS,
     INT8_TILE,
     INT8_TINY,
     LINEAR_MAX_ROWS,
@@ -278,11 +280,11 @@ def fp32_linear_on(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[
 
 def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
     """`qweight` int8 `[N, K]` laid out as `int8_linear` reads it, front to back (kernels/csrc/int8_linear.cpp):
-    uint8 `[ceil(N / 16), 16 * K']` with K' = K rounded up to whole INT8_BLOCKs, zeros past N and K; in each tile of
+    uint8 `[ceil(N / 16), 16 * K']` with K' = K rounded up to whole INT8_ROTATIONs, zeros past N and K; in each tile of
     16 outputs, K in steps of 4 bytes, each step holding those 4 bytes of every output side by side, each byte
     q + 128."""
     rows, columns = qweight.shape
-    padded = torch.nn.functional.pad(qweight, (0, -columns % INT8_BLOCK, 0, -rows % INT8_TILE))
+    padded = torch.nn.functional.pad(qweight, (0, -columns % INT8_ROTATION, 0, -rows % INT8_TILE))
     tiles, width = padded.shape[0] // INT8_TILE, padded.shape[1]
     steps = padded.view(tiles, INT8_TILE, width // 4, 4).transpose(1, 2).contiguous()
     return torch.bitwise_xor(steps.view(torch.uint8), 0x80).view(tiles, INT8_TILE * width)
@@ -291,10 +293,10 @@ def int8_pack(qweight: torch.Tensor) -> torch.Tensor:
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor,
                 bias: torch.Tensor | None, isa: str = "") -> torch.Tensor:
     """`x @ W.T + bias` for fp32 or bf16 `x [..., K]` (any number of rows; the result in x's dtype) on W's int8
-    values `packed` by `int8_pack` and its per-row scales `wscale` fp32 `[N]`, x quantized per block of INT8_BLOCK
-    values (kernels/csrc/int8_linear.cpp); the torch reference's bits; where `load(INT8)` is not None. `isa`: the
-    variant (`avx2`, `avx512-vnni`, `amx-int8`), by default this CPU's best for the rows (`load(INT8).isa(rows)`);
-    every variant gives the same bits."""
+    values `packed` by `int8_pack` (W rotated as x is) and its per-row scales `wscale` fp32 `[N]`, x rotated and
+    quantized per row (kernels/csrc/int8_linear.cpp); the torch reference's bits; where `load(INT8)` is not None.
+    `isa`: the variant (`avx2`, `avx512-vnni`, `amx-int8`), by default this CPU's best for the rows
+    (`load(INT8).isa(rows)`); every variant gives the same bits."""
     return load(INT8).int8_linear(x, packed, wscale, bias, isa)
 
 

@@ -19,8 +19,8 @@ from rqbatcher.kernels import native
 from rqbatcher.workers.model import int8_linear
 from rqbatcher.workers.model.fused_decoder import why_not
 from rqbatcher.workers.model.int8_linear import (
-    QUANT_BLOCK,
     QUANT_MAX,
+    ROTATION,
     Int8JointLinear,
     Int8Linear,
     int8_linear_reference,
@@ -29,6 +29,7 @@ from rqbatcher.workers.model.int8_linear import (
     quantize_activations,
     quantize_linears,
     quantize_weight,
+    rotate,
 )
 from tests.engine_helpers import engine_for, generate_greedy, greedy, random_prompts, record_logits, run_all
 from tests.test_int8_kernel import int8_unpack
@@ -43,7 +44,8 @@ def randn(*shape, seed=0, scale=1.0):
 
 
 def weights_and_input(out_features=70, features=100, rows=9):
-    """A weight whose rows differ in scale by 1000x (and one row all zeros), K not a whole number of blocks."""
+    """A weight whose rows differ in scale by 1000x (and one row all zeros), K not a whole number of rotation
+    blocks."""
     weight = randn(out_features, features, seed=1) * torch.logspace(-2, 1, out_features)[:, None]
     weight[5] = 0
     x = randn(rows, features, seed=2) * torch.logspace(-1, 2, rows)[:, None]
@@ -93,16 +95,31 @@ def test_each_rows_clip_gives_no_more_squared_error_than_its_max_and_less_on_lon
     assert (wscale < absmax).float().mean() > 0.9 and chosen.sum() < 0.99 * plain.sum()
 
 
+def test_rotating_both_operands_keeps_their_dot_products():
+    """`rotate` is sqrt(ROTATION) times an orthogonal map on K's whole blocks (zeros past K), so rotate(x) .
+    rotate(w) / ROTATION is x . w; and it mixes each block's values, so one large value spreads over its block."""
+    weight, x, _ = weights_and_input()
+    rotated_x, rotated_w = rotate(x), rotate(weight)
+    assert rotated_x.shape == (x.shape[0], 128) and rotated_w.shape == (weight.shape[0], 128)
+    exact = x.double() @ weight.double().T
+    torch.testing.assert_close(rotated_x.double() @ rotated_w.double().T / ROTATION, exact,  # to float32's rounding
+                               rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    spike = torch.zeros(1, ROTATION)
+    spike[0, 9] = 8.0
+    assert torch.equal(rotate(spike).abs(), torch.full((1, ROTATION), 8.0))  # one value, in every place at 1/8th
+
+
 def test_the_reference_is_the_dequantized_matmul():
-    """The exact block sums, then the scales: a float64 matmul of the dequantized operands gives the same figures to
-    float32's rounding, and a float matmul of the float operands within the quantization's error."""
+    """The exact integer sums, then the scales: a float64 matmul of the dequantized rotated operands gives the same
+    figures to float32's rounding, and a float matmul of the float operands within the quantization's error."""
     weight, x, bias = weights_and_input()
-    qweight, wscale = quantize_weight(weight)
+    qweight, wscale = quantize_weight(weight, rotated=True)
+    assert qweight.shape == (weight.shape[0], 128)  # K = 100 rotated in two blocks of 64
     y = int8_linear_reference(x, qweight, wscale, bias)
     assert y.dtype == torch.float32 and y.shape == (x.shape[0], weight.shape[0])
     qx, sx = quantize_activations(x)
-    assert qx.shape == (x.shape[0], 4, QUANT_BLOCK) and sx.shape == (x.shape[0], 4)
-    x_dequantized = (qx.double() * sx.double()[..., None]).reshape(x.shape[0], -1)[:, : x.shape[1]]
+    assert qx.shape == (x.shape[0], 128) and sx.shape == (x.shape[0],)
+    x_dequantized = qx.double() * sx.double()[:, None]
     expected = x_dequantized @ (qweight.double() * wscale.double()[:, None]).T + bias.double()
     assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     assert torch.equal(y[3], bias)  # a row of zeros
@@ -114,7 +131,7 @@ def test_the_reference_is_the_dequantized_matmul():
 def test_a_row_and_a_column_of_the_reference_do_not_depend_on_the_others():
     """Batch invariance, bit for bit: a row alone or among others, a column alone or joined with others."""
     weight, x, bias = weights_and_input()
-    qweight, wscale = quantize_weight(weight)
+    qweight, wscale = quantize_weight(weight, rotated=True)
     full = int8_linear_reference(x, qweight, wscale, bias)
     for start, rows in [(0, 1), (8, 1), (2, 5)]:
         assert torch.equal(int8_linear_reference(x[start : start + rows], qweight, wscale, bias),
@@ -127,7 +144,7 @@ def int8_weight(module: Int8Linear) -> torch.Tensor:
     """A layer's int8 [out, in] matrix, whatever the layout it keeps it in."""
     if not module.on_native:
         return module.qweight
-    return int8_unpack(module.qweight, module.out_features, module.in_features)
+    return int8_unpack(module.qweight, module.out_features, module.qweight.shape[1] // native.INT8_TILE)
 
 
 NATIVE = native_int8(torch.device("cpu"))
@@ -138,7 +155,7 @@ on_native_here = pytest.mark.skipif(not NATIVE, reason="kernels.native's int8 ke
 @on_native_here
 def test_the_native_kernel_gives_the_references_bits_on_the_weight_kept_packed():
     weight, x, bias = weights_and_input(out_features=200, features=576, rows=40)
-    qweight, wscale = quantize_weight(weight)
+    qweight, wscale = quantize_weight(weight, rotated=True)
     module = Int8Linear(qweight, wscale, bias)
     assert module.on_native and module.qweight.dtype == torch.uint8  # the kernel's layout only
     assert torch.equal(int8_weight(module), qweight)
@@ -151,7 +168,7 @@ def test_the_native_kernel_gives_the_references_bits_on_the_weight_kept_packed()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_compiled_forward_runs_the_native_kernel_with_its_bits(monkeypatch, dtype):
     weight, x, bias = weights_and_input(out_features=200, features=576, rows=4)
-    module = Int8Linear(*quantize_weight(weight), bias)
+    module = Int8Linear(*quantize_weight(weight, rotated=True), bias)
     x = x.to(dtype)
     eager = module(x)
     calls, kernel = [], native.int8_linear
@@ -162,7 +179,7 @@ def test_a_compiled_forward_runs_the_native_kernel_with_its_bits(monkeypatch, dt
 
 def test_a_module_keeps_its_input_dtype_and_shape():
     weight, x, bias = weights_and_input()
-    module = Int8Linear(*quantize_weight(weight), bias, on_native=False)
+    module = Int8Linear(*quantize_weight(weight, rotated=True), bias, on_native=False)
     assert not any(p.numel() for p in module.parameters())  # buffers only: no float weight is kept
     y = module(x.view(3, 3, -1).to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (3, 3, weight.shape[0])
@@ -182,7 +199,7 @@ def test_every_linear_of_the_layers_and_the_lm_head_is_replaced_and_the_embeddin
     embedding = model.model.embed_tokens.weight.clone()
     layers = model.config.num_hidden_layers
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    expected = {name: quantize_weight(m.weight)[0] for name, m in linears.items()}
+    expected = {name: quantize_weight(m.weight, rotated=True)[0] for name, m in linears.items()}
     assert quantize_linears(model, on_native=on_native) == layers * LINEARS_PER_LAYER + 1
     assert not [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     for layer in model.model.layers:
@@ -207,13 +224,13 @@ def test_a_tied_lm_head_gets_its_own_int8_copy(tmp_path):
     quantize_linears(model, on_native=False)
     assert isinstance(model.lm_head, Int8Linear) and model.model.embed_tokens.weight is embedding
     assert embedding.dtype == torch.float32
-    assert torch.equal(model.lm_head.qweight, quantize_weight(embedding)[0])
+    assert torch.equal(model.lm_head.qweight, quantize_weight(embedding, rotated=True)[0])
 
 
 def test_gpt2s_conv1d_layers_are_quantized_as_their_transpose(tiny_model_dir):
     model = load(tiny_model_dir("gpt2"))
     c_attn = model.transformer.h[0].attn.c_attn
-    expected = quantize_weight(c_attn.weight.t())
+    expected = quantize_weight(c_attn.weight.t(), rotated=True)
     ids = torch.tensor([[5, 17, 99, 3]])
     before = model(ids).logits
     quantize_linears(model, on_native=False)
@@ -252,7 +269,8 @@ def test_joint_calls_give_each_modules_bits(tiny_model_dir, on_native):
 @on_native_here
 def test_packed_parts_run_as_one_call_only_where_each_ends_on_a_whole_tile():
     def laid_end_to_end(sizes: tuple[int, ...]) -> list[Int8Linear]:
-        modules = [Int8Linear(*quantize_weight(randn(n, 40, seed=n)), randn(n, seed=n + 1), on_native=True)
+        modules = [Int8Linear(*quantize_weight(randn(n, 40, seed=n), rotated=True), randn(n, seed=n + 1),
+                              on_native=True)
                    for n in sizes]
         buffer, offset = torch.empty(sum(m.qweight.numel() for m in modules), dtype=torch.uint8), 0
         for m in modules:
@@ -272,7 +290,8 @@ def test_packed_parts_run_as_one_call_only_where_each_ends_on_a_whole_tile():
 
 
 def test_the_eager_call_of_a_layer_off_the_kernel_is_its_own_forward():
-    modules = [Int8Linear(*quantize_weight(randn(n, 40, seed=n)), None, on_native=False) for n in (16, 32)]
+    modules = [Int8Linear(*quantize_weight(randn(n, 40, seed=n), rotated=True), None, on_native=False)
+               for n in (16, 32)]
     joint = Int8JointLinear(modules)
     assert joint.eager() is joint and modules[0].eager() == modules[0].forward
 

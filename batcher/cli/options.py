@@ -58,8 +58,8 @@ def engine_options(func):
         click.option("--quantization", type=click.Choice(c.QUANTIZATIONS), default=c.DEFAULT_QUANTIZATION,
                      envvar="BATCHER_QUANTIZATION", show_default=True,
                      help="int8: the decoder's linears and the LM head on int8 weights (per output channel; "
-                     "activations per block of 32), a quarter of fp32's bytes to stream per decode step; attention "
-                     "and the KV cache keep --dtype."),
+                     "activations per row, rotated in blocks of 64), a quarter of fp32's bytes to stream per decode "
+                     "step; attention and the KV cache keep --dtype."),
         click.option("--attention-backend", type=click.Choice(c.ATTENTION_BACKENDS),
                      default=c.DEFAULT_ATTENTION_BACKEND, envvar="BATCHER_ATTENTION_BACKEND", show_default=True,
                      help="auto: triton on CUDA; cpu (bf16 AVX-512 decode kernels) for a bf16 model on a CPU that "

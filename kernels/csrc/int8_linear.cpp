@@ -7,38 +7,40 @@
 // CPU.
 //
 // The arithmetic (kernels/native.py's `int8_linear` and workers/model/int8_linear.py's torch reference share it):
-// - W: q int8 [N, K], symmetric per output channel: q[n, k] = W[n, k] / wscale[n] rounded, in [-127, 127]; wscale
-//   fp32 [N] (workers/model/int8_linear.py chooses each row's clip); a zero row: scale 0, q 0. The kernel reads q
-//   packed once at load (the layout below), u8 [ceil(N / 16), 16 * BLOCK * ceil(K / BLOCK)].
-// - x fp32 or bf16 [..., K] (M rows; any M, any K >= 1; bf16 widened to fp32 exactly), quantized per row in
-//   blocks of BLOCK = 32 along K (the last one may be shorter): amax = max |x[r, block]|, sx = amax / 127,
-//   qx = round_half_even(x * (127.0f / amax)) in [-127, 127] (amax below TINY, where 127 / amax overflows: sx 0,
-//   q 0). _mm256_cvtps_epi32 rounds to nearest even under the default MXCSR mode, as torch.round does.
-// - y[r, n] = (sum_b(sx[r, b] * isum[r, n, b]) * wscale[n]) + bias[n] in fp32 [..., N], each operation rounded,
-//   the blocks in order, isum the exact int32 dot of block b's int8 values; in x's dtype (bf16 rounded to nearest
+// - x and W rotated along K in blocks of ROTATION = 64 (zeros past K to whole blocks): SIGNS flips fixed values of
+//   each block, then the Hadamard transform's butterflies of span 1, 2, 4 ... 32 (value i and i + h become their
+//   sum and difference), in fp32. Rotated operands' dot products are 64 times the originals' (W is rotated and
+//   divided by 64 at load); a few large activations spread over their block, so one scale per row of x serves.
+// - W: q int8 [N, K'] (K' = K rounded up to whole rotation blocks), symmetric per output channel: q[n, k] =
+//   W'[n, k] / wscale[n] rounded, in [-127, 127]; wscale fp32 [N] (workers/model/int8_linear.py chooses each row's
+//   clip); a zero row: scale 0, q 0. The kernel reads q packed once at load (the layout below), u8
+//   [ceil(N / 16), 16 * K'].
+// - x fp32 or bf16 [..., K] (M rows; any M, any K >= 1; bf16 widened to fp32 exactly), each row rotated (x'), then
+//   quantized with one scale: amax = max |x'[r]|, sx = amax / 127, qx = round_half_even(x' * (127.0f / amax)) in
+//   [-127, 127] (amax below TINY, where 127 / amax overflows: sx 0, q 0; a NaN or an infinity: sx NaN).
+//   _mm256_cvtps_epi32 rounds to nearest even under the default MXCSR mode, as torch.round does.
+// - y[r, n] = ((float(isum[r, n]) * sx[r]) * wscale[n]) + bias[n] in fp32 [..., N], each operation rounded, isum
+//   the exact int32 dot of the row's int8 values (at most 127 * 127 * K'); in x's dtype (bf16 rounded to nearest
 //   even, as torch's `.to` rounds): a bf16 model's linears then cast nothing around the call.
-// The layout (kernels/native.py's `int8_pack`): W's rows in tiles of 16 (zero rows past N), each tile's K (zero
-// past K to whole blocks) in steps of 4 bytes, each step the 4 bytes of every output of the tile side by side:
-// bytes 4s..4s+3 of output 16t + j lie at t * tile_bytes + 64 s + 4 j, as u8 (q + 128). One 64-byte step holds 4
-// bytes of K for the tile's 16 outputs (two 256-bit vectors, or one of 512), and the kernel reads W front to back,
-// one stream (prefetched PREFETCH bytes ahead, PREFETCH_ONE_ROW for one row of x); for one row of x the AVX2 variant
-// reads ONE_ROW_TILES tiles side by side instead, as that many streams.
-// A block's dot: x's 4 bytes are broadcast to every lane. On AVX-512 VNNI (512-bit vectors) one vpdpbusd adds
-// (q + 128) * x for the 4 bytes of each output, and the block's sums start at -128 times the block's sum of x
-// (exact, computed as x is quantized). On AVX2 the bytes are made signed again (xor 0x80), _mm256_sign_epi8 moves
-// x's signs onto them, and |x| times them is summed by _mm256_maddubs_epi16 (exact: 2 * 127 * 127 fits in int16)
-// then _mm256_madd_epi16 (llama.cpp's Q8_0 dot). Both give each output's exact integer sum over the block in one
-// int32 lane. Then, per block, in the torch reference's order: the sum as fp32 (exact: below 2**24), times sx,
-// added to the output's fp32 sum (no FMA); at the end times wscale, plus bias. So every variant gives the torch
-// reference's bits (workers/model/int8_linear.py's `int8_linear_reference`).
+// The layout (kernels/native.py's `int8_pack`): W's rows in tiles of 16 (zero rows past N), each tile's K' in steps
+// of 4 bytes, each step the 4 bytes of every output of the tile side by side: bytes 4s..4s+3 of output 16t + j lie
+// at t * tile_bytes + 64 s + 4 j, as u8 (q + 128). One 64-byte step holds 4 bytes of K for the tile's 16 outputs
+// (two 256-bit vectors, or one of 512), and the kernel reads W front to back, one stream (prefetched PREFETCH bytes
+// ahead, PREFETCH_ONE_ROW for one row of x); for one row of x the AVX2 variant reads ONE_ROW_TILES tiles side by side
+// instead, as that many streams.
+// A step's dot: x's 4 bytes are broadcast to every lane. On AVX-512 VNNI (512-bit vectors) one vpdpbusd adds
+// (q + 128) * x for the 4 bytes of each output, and a row's sums start at -128 times the row's sum of x (exact,
+// computed as x is quantized). On AVX2 the bytes are made signed again (xor 0x80), _mm256_sign_epi8 moves x's signs
+// onto them, and |x| times them is summed by _mm256_maddubs_epi16 (exact: 2 * 127 * 127 fits in int16) then
+// _mm256_madd_epi16 (llama.cpp's Q8_0 dot). Both keep each output's exact integer sum in one int32 lane over the
+// whole row; at the end, as fp32 times sx, times wscale, plus bias. So every variant gives the torch reference's
+// bits (workers/model/int8_linear.py's `int8_linear_reference`).
 //
-// Order of the work: x's rows are quantized once per call into a scratch (int8 rows padded to whole blocks with
-// zeros, one scale and one sum per block, those of 8 rows side by side: `Quantized`; where the variant is an AVX-512
-// one, 16 whole blocks of a row at once, a block a lane: the same bits in 0.46-0.74x the time). W is streamed once, a
-// tile at a time, each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time (4 on
-// AVX2's 16 registers, 8 on AVX-512's 32; on AVX-512 a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES);
-// ROW_CHUNK rows at most per pass over W, so a prefill's scratch stays in L2. Threads split the tiles
-// (at::parallel_for).
+// Order of the work: x's rows are rotated and quantized once per call into a scratch (int8 rows of K', a scale and
+// a sum per row: `Quantized`; on 512-bit vectors where the variant is an AVX-512 one: the same bits). W is streamed
+// once, a tile at a time, each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time
+// (4 on AVX2, 8 on AVX-512; on AVX-512 a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES); ROW_CHUNK
+// rows at most per pass over W, so a prefill's scratch stays in L2. Threads split the tiles (at::parallel_for).
 // The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
 // Batch invariance: each output is computed by the same instructions in the same order whatever the tile, the
@@ -48,13 +50,10 @@
 // Speed (one thread, AMD EPYC Zen 4, SmolLM2's weights): the VNNI variant, on 512-bit vectors 8 rows at a time,
 // takes 0.82-0.93x the time of the same on 256-bit vectors 4 rows at a time from 8 rows on, and 0.36-0.79x that of
 // torch's bf16 linear (oneDNN's AVX512-BF16) at 8-512 rows; the AVX2 variant 1.1-1.75x the unpacked layout's kernel.
-// At one row every variant streams W near the memory's pace. On an Intel Xeon with AMX the AMX variant runs from
-// AMX_MIN_ROWS rows, 0.83x the VNNI variant's time at 128. Each block costs it a tile product (of K = 32: what one
-// of K = 64 costs), a store of its sums and their scaling in float (3-4 vector operations per row); on a host of
-// family 6 model 207 a product took ~18 ns, a 1 KB tile store ~12 and a tile load ~10, one after another (an ad-hoc
-// loop), so ~40 ns a block with or without the float work, where amx_linear's bf16 products keep their sums in the
-// tile across K: it stays 1.45-1.7x faster at 64-512 rows. Four products in flight (two groups of rows by two tiles)
-// and x's rows regrouped into whole cache lines did not change that.
+// At one row every variant streams W near the memory's pace. One scale per row (not per block of 32) took a prompt
+// chunk's linears 0.93-0.96x the time (docs/benchmark-log.md, 2026-12-07). On an Intel Xeon with AMX the AMX variant
+// runs from AMX_MIN_ROWS rows, 0.83x the VNNI variant's time at 128 when x had a scale per block; each block costs
+// it a tile product (of K = 32), a store of its sums and their addition to the rows' int32 sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -76,11 +75,14 @@ namespace {
 using batcher::check_fp32;
 using batcher::tail_mask;
 
-constexpr int BLOCK = INT8_BLOCK;  // kernels/build.py's INT8_BLOCK: x's quantization block, one AVX2 vector of int8
+constexpr int BLOCK = INT8_BLOCK;  // kernels/build.py's INT8_BLOCK: K a pass takes at a time, one AVX2 vector of int8
 static_assert(BLOCK == 32, "a block is one 256-bit vector of int8");
 constexpr int TILE = INT8_TILE;     // kernels/build.py's INT8_TILE: outputs per packed tile
 static_assert(TILE == 16, "a tile is two 256-bit vectors of 4 bytes of K for 8 outputs each");
-constexpr float TINY = INT8_TINY;  // kernels/build.py's INT8_TINY: the least amax a block keeps
+constexpr float TINY = INT8_TINY;  // kernels/build.py's INT8_TINY: the least amax a row of x keeps
+constexpr int ROTATION = INT8_ROTATION;  // kernels/build.py's INT8_ROTATION: the block x and W are rotated in
+static_assert(ROTATION == 64 && ROTATION % BLOCK == 0, "a rotation block is 8 AVX2 vectors, normalized by 1 / 8");
+constexpr uint64_t SIGNS = INT8_SIGNS;  // kernels/build.py's INT8_SIGNS: bit i negates value i of a block
 constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
 // Bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x (a pass of several tiles: the same line of
 // the next tiles). Until 2026-12-06 a template parameter of the same name hid this constant in int8_tiles.h, so those
@@ -102,20 +104,13 @@ constexpr int AMX_ROWS = 16;        // rows of x per AMX tile product
 // (the threshold was 10).
 constexpr int64_t AMX_MIN_ROWS = 24;
 
-// Rows of x whose block scales and offsets lie side by side (`Quantized::at`): a pass over X_ROWS <= GROUP rows reads
-// them through one pointer each, where 8 rows' own pointers spilled the registers (AMD EPYC Zen 4).
-constexpr int64_t GROUP = 8;
-
-// x's rows, quantized: `stride` (whole blocks) int8 values per row, zeros past K; per block a scale, and -128 times
-// the block's sum of values (what VNNI's sums start from), for rows in groups of GROUP: block b of the group's rows
-// at `at(row, b)`, one after another (a last group's rows past x's are never written nor read). Left unzeroed: a
-// vector's zeroing took 8.5-25 us of a prompt chunk's call (Intel Xeon with AMX).
+// x's rows, quantized: `stride` (K rounded up to whole ROTATION blocks) int8 values per row, and per row a scale and
+// -128 times the sum of its values (what VNNI's sums start from).
 struct Quantized {
   int64_t blocks, stride;
   std::unique_ptr<int8_t[]> q;
   std::unique_ptr<float[]> scale;
   std::unique_ptr<int32_t[]> offset;
-  int64_t at(int64_t row, int64_t b) const { return (row / GROUP * blocks + b) * GROUP + row % GROUP; }
 };
 
 // Up to 8 of x's values as fp32 (zeros past `left`); bf16 widens exactly.
@@ -135,66 +130,115 @@ inline __m256 load8(const c10::BFloat16* x, int64_t left) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// One row's block of n <= 32 values into 32 int8 (zeros past n); its scale, and -128 times the sum of the int8s.
+// The sign bit of each value of a rotation block that SIGNS flips.
+struct SignBits {
+  alignas(32) uint32_t lanes[ROTATION];
+};
+constexpr SignBits sign_bits() {
+  SignBits bits{};
+  for (int i = 0; i < ROTATION; i++) bits.lanes[i] = (SIGNS >> i & 1) ? 0x80000000u : 0u;
+  return bits;
+}
+constexpr SignBits SIGN_BITS = sign_bits();
+
+// One butterfly stage of span H (1, 2 or 4) within a vector: lane i (bit H clear) becomes v[i + H] + v[i], lane
+// i + H becomes v[i] + -v[i + H]: the same bits as v[i] + v[i + H] and v[i] - v[i + H].
+template <int H>
+inline __m256 butterfly_within(__m256 v) {
+  __m256 partner;
+  if constexpr (H == 1)
+    partner = _mm256_permute_ps(v, 0xB1);
+  else if constexpr (H == 2)
+    partner = _mm256_permute_ps(v, 0x4E);
+  else
+    partner = _mm256_permute2f128_ps(v, v, 0x01);
+  const __m256 sign = H == 1 ? _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1)
+                      : H == 2 ? _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1)
+                               : _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);  // -1 in the lanes with bit H set
+  return _mm256_fmadd_ps(v, sign, partner);  // exact products: one rounding, as the add's
+}
+
+// A block of ROTATION values (8 vectors) rotated as workers/model/int8_linear.py's `rotate` does: the signs flipped,
+// then the butterflies of span 1, 2, 4 ... 32 in that order. Each value's additions are the reference's, so the same
+// bits.
+inline void rotate_block(__m256 v[8]) {
+  for (int i = 0; i < 8; i++)
+    v[i] = _mm256_xor_ps(v[i], _mm256_load_ps(reinterpret_cast<const float*>(SIGN_BITS.lanes + 8 * i)));
+  for (int i = 0; i < 8; i++) v[i] = butterfly_within<4>(butterfly_within<2>(butterfly_within<1>(v[i])));
+  for (int span = 1; span < 8; span *= 2)
+    for (int i = 0; i < 8; i++)
+      if (!(i & span)) {
+        const __m256 a = v[i], b = v[i + span];
+        v[i] = _mm256_add_ps(a, b);
+        v[i + span] = _mm256_sub_ps(a, b);
+      }
+}
+
+// Row r of x (`x` its K values) into `out`, `rotated` a scratch of `out.stride` floats: the row rotated, then
+// quantized with one scale (amax / 127; q = round_half_even(value * (127 / amax)), as torch.round rounds under the
+// default MXCSR mode); a NaN or an infinity anywhere: scale NaN (the row's outputs are NaN, as torch's are), q 0; an
+// amax below TINY (127 / amax would overflow): scale 0, q 0.
 template <typename T>
-inline float quantize_block(const T* x, int64_t n, int8_t* q, int32_t* offset) {
-  __m256 v[4];
-  for (int i = 0; i < 4; i++) v[i] = load8(x + 8 * i, n - 8 * i);
+void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r, float* rotated) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
-  __m256 a[4], bad = _mm256_setzero_ps();
-  for (int i = 0; i < 4; i++) {
-    a[i] = _mm256_andnot_ps(sign, v[i]);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a[i], inf, _CMP_NLT_UQ));  // NaN or infinite
+  __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int64_t base = 0; base < out.stride; base += ROTATION) {
+    __m256 v[8];
+    for (int i = 0; i < 8; i++) v[i] = load8(x + base + 8 * i, K - base - 8 * i);
+    rotate_block(v);
+    for (int i = 0; i < 8; i++) {
+      _mm256_storeu_ps(rotated + base + 8 * i, v[i]);
+      const __m256 a = _mm256_andnot_ps(sign, v[i]);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or infinite
+      top = _mm256_max_ps(top, a);
+    }
   }
-  const __m256 m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  const bool nan = _mm256_movemask_ps(bad);  // then the scale is NaN: the row's outputs are NaN, as torch's are
-  *offset = 0;
-  if (nan || amax < TINY) {  // a zero (or subnormal) block: q 0, scale 0
-    std::memset(q, 0, BLOCK);
-    return nan ? NAN : 0.0f;
+  int8_t* q = out.q.get() + r * out.stride;
+  out.offset[r] = 0;
+  if (_mm256_movemask_ps(bad) || amax < TINY) {
+    std::memset(q, 0, out.stride);
+    out.scale[r] = _mm256_movemask_ps(bad) ? NAN : 0.0f;
+    return;
   }
+  // |value| <= amax, so value * inv is within +-127 (127.00002 at most): no clamp (the packs saturate besides)
   const __m256 inv = _mm256_set1_ps(127.0f / amax);
-  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-  __m256i i32[4];
-  for (int i = 0; i < 4; i++)
-    i32[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lo), hi);
-  // packs work within 128-bit lanes: the 4-byte groups of i32[0..3] come out as a0 b0 c0 d0 a1 b1 c1 d1; reorder.
-  const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-  const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
-                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t k = 0; k < out.stride; k += 32) {
+    __m256i i32[4];
+    for (int i = 0; i < 4; i++)
+      i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(rotated + k + 8 * i), inv));
+    // packs work within 128-bit lanes: the 4-byte groups of i32[0..3] come out as a0 b0 c0 d0 a1 b1 c1 d1; reorder.
+    const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+    const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), i8);
+    total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                                     _mm256_add_epi32(i32[2], i32[3])));
+  }
   alignas(32) int32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                     _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3])));
-  int32_t total = 0;
-  for (const int32_t lane : lanes) total += lane;
-  *offset = -128 * total;
-  return amax / 127.0f;
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
+  int32_t sum = 0;
+  for (const int32_t lane : lanes) sum += lane;
+  out.offset[r] = -128 * sum;
+  out.scale[r] = amax / 127.0f;
 }
 
-// Row r of x (`x` its K values) into `out`.
+// x's rows, quantized, each by `row` (`quantize_row`, or the AVX-512 one: the same bits).
 template <typename T>
-void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r) {
-  for (int64_t b = 0, at = out.at(r, 0); b < out.blocks; b++, at += GROUP)
-    out.scale[at] = quantize_block(x + b * BLOCK, std::min<int64_t>(BLOCK, K - b * BLOCK),
-                                   out.q.get() + r * out.stride + b * BLOCK, out.offset.get() + at);
-}
-
-// x's rows quantized, each by `row` (`quantize_row`, or the AVX-512 one: the same bits).
-template <typename T>
-Quantized quantize_rows(const T* x, int64_t rows, int64_t K, void (*row)(const T*, int64_t, Quantized&, int64_t)) {
+Quantized quantize_rows(const T* x, int64_t rows, int64_t K,
+                        void (*row)(const T*, int64_t, Quantized&, int64_t, float*)) {
   Quantized out;
-  out.blocks = (K + BLOCK - 1) / BLOCK;
-  out.stride = out.blocks * BLOCK;
+  out.stride = (K + ROTATION - 1) / ROTATION * ROTATION;
+  out.blocks = out.stride / BLOCK;
   out.q.reset(new int8_t[rows * out.stride]);
-  const int64_t scales = (rows + GROUP - 1) / GROUP * GROUP * out.blocks;
-  out.scale.reset(new float[scales]);
-  out.offset.reset(new int32_t[scales]);
+  out.scale.reset(new float[rows]);
+  out.offset.reset(new int32_t[rows]);
   at::parallel_for(0, rows, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) row(x + r * K, K, out, r);
+    std::vector<float> rotated(out.stride);
+    for (int64_t r = begin; r < end; r++) row(x + r * K, K, out, r, rotated.data());
   });
   return out;
 }
@@ -218,7 +262,7 @@ namespace avx2 {
 constexpr int X_ROWS = 4;
 constexpr int VECTORS = 2;  // 8 outputs a vector
 constexpr int ONE_ROW_TILES = 4;  // 1.1-1.2x the pace of one at a time (AMD EPYC Zen 1), 8 sums in 16 registers
-constexpr int PASS_TILES = 1;  // a tile a pass at every row count
+constexpr int PASS_TILES = 3;  // a tile a pass at every row count
 constexpr int PASS_ROWS = X_ROWS;
 using Sums = __m256i;
 using Floats = __m256;
@@ -232,9 +276,7 @@ inline Sums dot(Sums sum, Sums q, int32_t four) {
   const __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(q, xb));
   return _mm256_add_epi32(sum, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
 }
-inline Floats add_block(Floats acc, Sums sum, float sx) {
-  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(sx)));
-}
+inline Floats scaled(Sums sum, float sx) { return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(sx)); }
 template <int R>
 inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc) {
   const int64_t left = o.N - n;
@@ -286,9 +328,7 @@ inline Sums load_w(const uint8_t* w) { return _mm512_loadu_si512(w); }  // u8: q
 inline Sums dot(Sums sum, Sums packed, int32_t four) {
   return _mm512_dpbusd_epi32(sum, packed, _mm512_set1_epi32(four));
 }
-inline Floats add_block(Floats acc, Sums sum, float sx) {
-  return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx)));
-}
+inline Floats scaled(Sums sum, float sx) { return _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx)); }
 // The first n of 16 lanes (none for n <= 0).
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? 0xFFFF : n > 0 ? static_cast<__mmask16>((1u << n) - 1) : 0;
@@ -321,120 +361,87 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 }
 #include "int8_tiles.h"
 
-// 16 of x's values as fp32; bf16 widens exactly.
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+// 16 of x's values as fp32 (zeros past `left`); bf16 widens exactly.
+inline __m512 load16(const float* x, int64_t left) { return _mm512_maskz_loadu_ps(first_lanes(left), x); }
+inline __m512 load16(const c10::BFloat16* x, int64_t left) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(left), x);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// The permutations that fold 16 vectors into one, lane b of which is a reduction of vector b's lanes (`fold`): at
-// step s, each of two vectors holds 2^s blocks' partial results in runs of 16 >> s lanes, and the first (FOLD[s][0])
-// and second (FOLD[s][1]) halves of those runs, side by side, make one vector of twice the blocks in half the lanes.
-struct FoldIndex {
-  alignas(64) int32_t lanes[4][2][16];
-};
-constexpr FoldIndex fold_index() {
-  FoldIndex index{};
-  for (int step = 0; step < 4; step++) {
-    const int run = 16 >> step, half = run / 2, per_vector = 1 << step;
-    for (int lane = 0; lane < 16; lane++) {
-      const int block = lane / half, first = (block < per_vector ? 0 : 16) + block % per_vector * run + lane % half;
-      index.lanes[step][0][lane] = first;
-      index.lanes[step][1][lane] = first + half;
-    }
-  }
-  return index;
-}
-constexpr FoldIndex FOLD = fold_index();
-
-// Lane b: `op` (max or add, on int32 lanes) over the 16 lanes of v[b], for 16 vectors at once: 15 folds of two
-// permutes and one op, where reducing each vector alone takes 8 dependent operations (v is overwritten).
-template <typename Op>
-inline __m512i fold(__m512i* v, Op op) {
-#pragma GCC unroll 4
-  for (int step = 0, count = 16; step < 4; step++, count /= 2) {
-    const __m512i first = _mm512_load_si512(FOLD.lanes[step][0]), second = _mm512_load_si512(FOLD.lanes[step][1]);
-#pragma GCC unroll 8
-    for (int j = 0; j < count / 2; j++)
-      v[j] = op(_mm512_permutex2var_epi32(v[2 * j], first, v[2 * j + 1]),
-                _mm512_permutex2var_epi32(v[2 * j], second, v[2 * j + 1]));
-  }
-  return v[0];
+// `butterfly_within` on 16 lanes, span H of 1, 2, 4 or 8.
+template <int H>
+inline __m512 butterfly_within(__m512 v) {
+  __m512 partner;
+  if constexpr (H == 1)
+    partner = _mm512_permute_ps(v, 0xB1);
+  else if constexpr (H == 2)
+    partner = _mm512_permute_ps(v, 0x4E);
+  else if constexpr (H == 4)
+    partner = _mm512_shuffle_f32x4(v, v, 0xB1);
+  else
+    partner = _mm512_shuffle_f32x4(v, v, 0x4E);
+  constexpr __mmask16 upper = H == 1 ? 0xAAAA : H == 2 ? 0xCCCC : H == 4 ? 0xF0F0 : 0xFF00;
+  const __m512 sign = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), upper, _mm512_set1_ps(-1.0f));
+  return _mm512_fmadd_ps(v, sign, partner);  // exact products: one rounding, as the add's
 }
 
-// A whole block's |x| as fp32 bits, folded to 16 int32 lanes by max: for non-negative floats the order of their bits
-// as integers is theirs, and an infinity or a NaN (bits from 0x7F800000 up) stays the max, where a float max drops
-// NaNs. bf16 x is compared as its 16 bits, which are the fp32 value's upper half.
-inline __m512i block_max_bits(const float* x) {
+// `rotate_block` on 4 vectors of 16: the same operations on each value, so the same bits.
+inline void rotate_block(__m512 v[4]) {
+  for (int i = 0; i < 4; i++) {
+    const __m512i flip = _mm512_load_si512(SIGN_BITS.lanes + 16 * i);
+    v[i] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v[i]), flip));
+    v[i] = butterfly_within<8>(butterfly_within<4>(butterfly_within<2>(butterfly_within<1>(v[i]))));
+  }
+  for (int span = 1; span < 4; span *= 2)
+    for (int i = 0; i < 4; i++)
+      if (!(i & span)) {
+        const __m512 a = v[i], b = v[i + span];
+        v[i] = _mm512_add_ps(a, b);
+        v[i + span] = _mm512_sub_ps(a, b);
+      }
+}
+
+// `quantize_row` on 16 lanes: the same operations on each value, so the same bits.
+template <typename T>
+void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r, float* rotated) {
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  return _mm512_max_epi32(_mm512_and_si512(_mm512_loadu_si512(x), magnitude),
-                          _mm512_and_si512(_mm512_loadu_si512(x + 16), magnitude));
-}
-inline __m512i block_max_bits(const c10::BFloat16* x) {
-  const __m512i values = _mm512_and_si512(_mm512_loadu_si512(x), _mm512_set1_epi16(0x7FFF));  // 32 of them
-  const __m512i low = _mm512_and_si512(values, _mm512_set1_epi32(0xFFFF)), high = _mm512_srli_epi32(values, 16);
-  return _mm512_slli_epi32(_mm512_max_epi32(low, high), 16);
-}
-
-// `count` <= 16 whole blocks of one row (x their values, q their int8s) as `quantize_block` quantizes each, their
-// scales and offsets at `scale[GROUP * b]` and `offset[GROUP * b]`: each block's max, scale and sum in a lane of its
-// own, so the reductions, the checks and the divisions are shared by 16 blocks. The same operations on each value,
-// so the same bits.
-template <typename T>
-inline void quantize_blocks(const T* x, int64_t count, int8_t* q, float* scale, int32_t* offset) {
-  __m512i folded[16];
-#pragma GCC unroll 16
-  for (int b = 0; b < 16; b++) folded[b] = b < count ? block_max_bits(x + BLOCK * b) : _mm512_setzero_si512();
-  const __m512i bits = fold(folded, [](__m512i a, __m512i b) { return _mm512_max_epi32(a, b); });
-  const __mmask16 bad = _mm512_cmpge_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));  // a NaN or an infinity
-  const __m512 amax = _mm512_castsi512_ps(bits);
-  const __m512 factor = _mm512_div_ps(_mm512_set1_ps(127.0f), amax);
-  const __mmask16 zeroed = bad | _mm512_cmp_ps_mask(amax, _mm512_set1_ps(TINY), _CMP_LT_OQ);  // q 0, offset 0
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-#pragma GCC unroll 16
-  for (int b = 0; b < 16; b++) {
-    folded[b] = _mm512_setzero_si512();  // now each block's integer sum
-    if (b >= count) continue;
-    if (zeroed >> b & 1) {
-      std::memset(q + BLOCK * b, 0, BLOCK);
-      continue;
-    }
-    const __m512 inv = _mm512_permutexvar_ps(_mm512_set1_epi32(b), factor);
-    for (int h = 0; h < 2; h++) {
-      const __m512i i32 = _mm512_min_epi32(
-          _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + BLOCK * b + 16 * h), inv)), lo), hi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + BLOCK * b + 16 * h), _mm512_cvtepi32_epi8(i32));
-      folded[b] = _mm512_add_epi32(folded[b], i32);
+  __m512i top = _mm512_setzero_si512();  // |value|'s bits: ordered as the values, a NaN's or infinity's the largest
+  for (int64_t base = 0; base < out.stride; base += ROTATION) {
+    __m512 v[4];
+    for (int i = 0; i < 4; i++) v[i] = load16(x + base + 16 * i, K - base - 16 * i);
+    rotate_block(v);
+    for (int i = 0; i < 4; i++) {
+      _mm512_storeu_ps(rotated + base + 16 * i, v[i]);
+      top = _mm512_max_epi32(top, _mm512_and_si512(_mm512_castps_si512(v[i]), magnitude));
     }
   }
-  alignas(64) float scales[16];
-  alignas(64) int32_t offsets[16];
-  const __m512 kept = _mm512_maskz_div_ps(static_cast<__mmask16>(~zeroed), amax, _mm512_set1_ps(127.0f));
-  _mm512_store_ps(scales, _mm512_mask_mov_ps(kept, bad, _mm512_set1_ps(NAN)));
-  const __m512i sums = fold(folded, [](__m512i a, __m512i b) { return _mm512_add_epi32(a, b); });
-  _mm512_store_si512(offsets, _mm512_mullo_epi32(_mm512_set1_epi32(-128), sums));
-  for (int64_t b = 0; b < count; b++) {
-    scale[GROUP * b] = scales[b];
-    offset[GROUP * b] = offsets[b];
-  }
-}
-
-// Row r of x into `out`: its whole blocks 16 at a time (`quantize_blocks`), a shorter last one alone (on AVX2: one
-// block a row at most, and none where K is a multiple of 32).
-template <typename T>
-void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r) {
+  const int32_t bits = _mm512_reduce_max_epi32(top);
+  float amax;
+  std::memcpy(&amax, &bits, 4);
   int8_t* q = out.q.get() + r * out.stride;
-  const int64_t whole = K / BLOCK;
-  for (int64_t b = 0; b < whole; b += 16) {
-    const int64_t at = out.at(r, b);
-    quantize_blocks(x + b * BLOCK, std::min<int64_t>(16, whole - b), q + b * BLOCK, out.scale.get() + at,
-                    out.offset.get() + at);
+  out.offset[r] = 0;
+  const bool bad = bits >= 0x7F800000;  // a NaN or an infinity
+  if (bad || amax < TINY) {
+    std::memset(q, 0, out.stride);
+    out.scale[r] = bad ? NAN : 0.0f;
+    return;
   }
-  if (whole < out.blocks) {
-    const int64_t at = out.at(r, whole);
-    out.scale[at] = quantize_block(x + whole * BLOCK, K - whole * BLOCK, q + whole * BLOCK, out.offset.get() + at);
+  // |value| <= amax, so value * inv is within +-127 (127.00002 at most): no clamp (the packs saturate besides)
+  const __m512 inv = _mm512_set1_ps(127.0f / amax);
+  __m512i total = _mm512_setzero_si512();
+  // packs work within 128-bit lanes: 4-value groups of i32[0..3] come out as a0 b0 c0 d0 a1 ...; reordered.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t k = 0; k < out.stride; k += 64) {
+    __m512i i32[4];
+    for (int i = 0; i < 4; i++) {
+      i32[i] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(rotated + k + 16 * i), inv));
+      total = _mm512_add_epi32(total, i32[i]);
+    }
+    const __m512i i16a = _mm512_packs_epi32(i32[0], i32[1]), i16b = _mm512_packs_epi32(i32[2], i32[3]);
+    _mm512_storeu_si512(q + k, _mm512_permutexvar_epi32(order, _mm512_packs_epi16(i16a, i16b)));
   }
+  out.offset[r] = -128 * _mm512_reduce_add_epi32(total);
+  out.scale[r] = amax / 127.0f;
 }
 }  // namespace vnni
 #if defined(__clang__)
@@ -447,7 +454,8 @@ void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r) {
 // instruction per row per 4 bytes of K) bind a prompt chunk's many rows. The packed W is already in AMX's layout for
 // the second operand (4 bytes of K for 16 outputs per 64-byte row), so a block of a tile is one 8-row tile. Each
 // block's exact sums (tdpbssd on a signed copy of the tile, or tdpbsud on W as packed, q + 128, plus the offsets) leave
-// the tile for the float accumulation in VNNI's order: the same integers and float operations, so the same bits.
+// the tile and join the rows' int32 sums, scaled as VNNI scales them: the same integers and float operations, so the
+// same bits.
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8"))), \
                              apply_to = function)
@@ -463,11 +471,11 @@ constexpr int64_t ROW_CHUNK = 256;
 // Groups of AMX_ROWS rows from which a call's tiles are signed first (`signed_tile`): on an Intel Xeon with AMX the
 // copy cost 1.02-1.35x the time at 20-32 rows (one or two groups to pay for it) and took 0.86-1.02x from 128 rows.
 constexpr int64_t SIGNED_MIN_GROUPS = 4;
-static_assert(AMX_ROWS == 2 * GROUP && ROW_CHUNK % AMX_ROWS == 0, "a product's rows are two groups of `Quantized`");
+static_assert(ROW_CHUNK % AMX_ROWS == 0, "a chunk of rows is whole tile products");
 
 // Tiles 0, 1: a block's sums (`rows` rows of x, up to 16, x 16 outputs, int32); 2, 3: x's rows of that block (32
 // bytes each); 4, 5: W's block (8 rows of 4 bytes x 16 outputs). Blocks alternate between the two sets, so the next
-// block's product is asked for before a block's sums are scaled. A group of fewer rows runs on tiles of that many:
+// block's product is asked for before a block's sums are added. A group of fewer rows runs on tiles of that many:
 // a product's rows are computed apart, and its sums are exact, so a row's bits do not depend on the group.
 inline void configure(int64_t rows) {
   struct {
@@ -523,45 +531,28 @@ inline void store_sums(int32_t (*sums)[TILE]) {
     _tile_stored(1, sums, 64);
 }
 
-// Where dot_tile's rows' block scales and offsets lie: block b of row r < 8 at `first[GROUP * b + r]`, of row r >= 8
-// at `second[GROUP * b + r - 8]` (`Quantized::at`), as pointers the compiler need not load again after a tile store.
-template <typename T>
-struct RowPair {
-  const T* first;
-  const T* second;
-  T of(int64_t b, int64_t r) const { return r < GROUP ? first[GROUP * b + r] : second[GROUP * b + r - GROUP]; }
-};
-
-// Block b's sums (plus the offsets that take back the 128 each packed byte carries, unless SIGNED) added to acc as
-// VNNI adds them. FULL: a group of AMX_ROWS rows, its loop unrolled so that acc stays in registers (else `count`).
-template <bool FULL, bool SIGNED>
-inline void add_block(const int32_t (*sums)[TILE], RowPair<float> scale, RowPair<int32_t> offset, int64_t b,
-                      int64_t count, __m512* acc) {
+// Block b's sums added to the rows' integer sums `acc` (exact, in any order). FULL: a group of AMX_ROWS rows, its
+// loop unrolled so that acc stays in registers (else `count`).
+template <bool FULL>
+inline void add_block(const int32_t (*sums)[TILE], int64_t count, __m512i* acc) {
 #pragma GCC unroll 16
-  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) {
-    __m512i exact = _mm512_load_si512(sums[r]);
-    if constexpr (!SIGNED) exact = _mm512_add_epi32(_mm512_set1_epi32(offset.of(b, r)), exact);
-    acc[r] = vnni::add_block(acc[r], exact, scale.of(b, r));
-  }
+  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) acc[r] = _mm512_add_epi32(acc[r], _mm512_load_si512(sums[r]));
 }
 
-// y for x's rows [row, row + count) (count <= 16: the tiles are configured for it; row a multiple of GROUP) and W's
-// tile t at `w` (signed: `signed_tile`, or as packed). A block's sums are scaled only once the next block's product
-// is asked for and its sums stored, so the tiles work while the vector units scale. `fetch` (a tile's first group
+// y for x's rows [row, row + count) (count <= 16: the tiles are configured for it) and W's
+// tile t at `w` (signed: `signed_tile`, or as packed). A block's sums are added only once the next block's product
+// is asked for and its sums stored, so the tiles work while the vector units add. `fetch` (a tile's first group
 // of rows; else nullptr): the packed tile, whose bytes PREFETCH ahead each pair of blocks asks L2 for. Without, a
 // decode step's 24-64 rows over SmolLM2's weights took 1.06-1.22x the time (Intel Xeon with AMX, model 167).
 template <bool FULL, bool SIGNED>
 inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t, const void* w, const uint8_t* fetch) {
-  __m512 acc[AMX_ROWS];
+  __m512i acc[AMX_ROWS];
 #pragma GCC unroll 16
-  for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_si512();
   alignas(64) int32_t sums[2][AMX_ROWS][TILE];
   const int64_t blocks = o.x.blocks, stride = o.x.stride;
   const int8_t* x = o.x.q.get() + row * stride;
   const auto* wb = static_cast<const uint8_t*>(w);
-  const int64_t at0 = o.x.at(row, 0), at1 = count > GROUP ? o.x.at(row + GROUP, 0) : at0;
-  const RowPair<float> scale{o.x.scale.get() + at0, o.x.scale.get() + at1};
-  const RowPair<int32_t> offset{o.x.offset.get() + at0, o.x.offset.get() + at1};
   start_block<0, SIGNED>(x, stride, wb);
   for (int64_t b = 0; b < blocks; b += 2) {  // block b on tiles of set 0, b + 1 on set 1
     if (fetch)
@@ -569,18 +560,19 @@ inline void dot_tile(const Operands& o, int64_t row, int64_t count, int64_t t, c
         _mm_prefetch(reinterpret_cast<const char*>(fetch + b * W_BLOCK + PREFETCH + line), _MM_HINT_T1);
     if (b + 1 < blocks) start_block<1, SIGNED>(x + (b + 1) * BLOCK, stride, wb + (b + 1) * W_BLOCK);
     store_sums<0>(sums[0]);
-    if (b > 0) add_block<FULL, SIGNED>(sums[1], scale, offset, b - 1, count, acc);
+    if (b > 0) add_block<FULL>(sums[1], count, acc);
     if (b + 1 < blocks) {
       if (b + 2 < blocks) start_block<0, SIGNED>(x + (b + 2) * BLOCK, stride, wb + (b + 2) * W_BLOCK);
       store_sums<1>(sums[1]);
-      add_block<FULL, SIGNED>(sums[0], scale, offset, b, count, acc);
+      add_block<FULL>(sums[0], count, acc);
     }
   }
   // the last block's sums: stored, not yet added
-  add_block<FULL, SIGNED>(sums[(blocks - 1) % 2], scale, offset, blocks - 1, count, acc);
+  add_block<FULL>(sums[(blocks - 1) % 2], count, acc);
 #pragma GCC unroll 16
-  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) {
-    const __m512 out = acc[r];  // a copy: acc's own address never escapes, so it stays in registers
+  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) {  // the offsets take back the 128 each packed byte carries
+    const __m512i exact = SIGNED ? acc[r] : _mm512_add_epi32(_mm512_set1_epi32(o.x.offset[row + r]), acc[r]);
+    const __m512 out = vnni::scaled(exact, o.x.scale[row + r]);  // a copy, so acc stays in registers
     vnni::finish<1>(o, row + r, TILE * t, &out);
   }
 }
@@ -665,7 +657,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
   TORCH_CHECK(wscale.dim() == 1 && wscale.is_contiguous(), "wscale must be one contiguous row of scales");
   const int64_t N = wscale.numel(), K = x.size(-1);
   TORCH_CHECK(x.dim() >= 1 && K >= 1, "x has no features");
-  const int64_t tiles = (N + TILE - 1) / TILE, stride = (K + BLOCK - 1) / BLOCK * BLOCK;
+  const int64_t tiles = (N + TILE - 1) / TILE, stride = (K + ROTATION - 1) / ROTATION * ROTATION;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 &&
                   packed.is_contiguous(),
               "the weight must be packed (kernels/native.py's int8_pack): a contiguous uint8 matrix, not ",
@@ -707,7 +699,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear,
-        "x @ W.T + b on packed int8 weights (per-channel scales) and x quantized per block of 32",
+        "x @ W.T + b on packed int8 weights (per-channel scales), x rotated and quantized per row",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("wscale"), pybind11::arg("bias"),
         pybind11::arg("isa") = "");
   m.attr("block") = BLOCK;

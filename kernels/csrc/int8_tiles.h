@@ -2,10 +2,10 @@
 // inclusion sits in a namespace of its own that first defines
 // - X_ROWS (rows of x per pass), VECTORS (vectors per tile of 16 outputs: 2 of 256 bits, or 1 of 512), and the
 //   integer (`Sums`) and float (`Floats`) vector types;
-// - `block_start(offset)`: what a block's integer sums start from, given its offset (`Quantized`);
+// - `block_start(offset)`: what a row's integer sums start from, given its offset (`Quantized`);
 // - `load_w(w)`: the packed vector at w, ready for `dot`;
 // - `dot(sum, w, four)`: `sum` plus, in lane j, the exact dot of x's 4 bytes `four` with output j's 4 bytes of w;
-// - `add_block(acc, sum, sx)`: acc + (the sums as fp32) * sx, each operation rounded (no FMA);
+// - `scaled(sum, sx)`: the sums as fp32, times x's row scale sx;
 // - `finish<R>(o, row, n, acc)`: y's R rows from `row`, outputs n.. of one vector: acc * wscale + bias, stored.
 // - ONE_ROW_TILES: W's tiles that one row of x reads side by side, or 1: a tile at a time;
 // - PASS_TILES, PASS_ROWS: the tiles and rows of x a pass takes from PASS_TILES_MIN_ROWS rows (else 1 and X_ROWS).
@@ -16,23 +16,17 @@
 // `ahead` bytes ahead: the hardware prefetchers alone streamed a weight that does not fit the caches at ~0.6x the
 // pace (the 49152 x 576 LM head at one row, AMD EPYC Zen 4). Asked of L1 instead, SmolLM2's weights streamed at
 // 0.8-0.85x the pace at 4-8 rows, the same at one.
-static_assert(GROUP % X_ROWS == 0 && ROW_CHUNK % GROUP == 0, "each pass's rows lie in one group of `Quantized`");
 template <int R, int T, bool FIRST_PASS>
 inline void dot_rows(const Operands& o, int64_t row, int64_t t) {
-  Floats acc[R][T][VECTORS];
+  Sums sum[R][T][VECTORS];  // exact over the whole row: at most 127 * 255 * K in magnitude
   for (int r = 0; r < R; r++)
     for (int j = 0; j < T; j++)
-      for (int v = 0; v < VECTORS; v++) acc[r][j][v] = Floats{};
+      for (int v = 0; v < VECTORS; v++) sum[r][j][v] = block_start(o.x.offset.get() + row + r);
   const int8_t* qx = o.x.q.get() + row * o.x.stride;
-  const float* sx = o.x.scale.get() + o.x.at(row, 0);  // block b of row + r: sx[GROUP * b + r]
-  const int32_t* offset = o.x.offset.get() + o.x.at(row, 0);
   const uint8_t* w = o.w + t * o.tile_bytes;  // each tile read front to back: 64 bytes (one cache line) a step
   const int64_t ahead = R == 1 ? PREFETCH_ONE_ROW : T == 1 ? PREFETCH : T * o.tile_bytes;  // T: the next T tiles'
   for (int64_t b = 0; b < o.x.blocks; b++) {
-    Sums sum[R][T][VECTORS];
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < T; j++)
-        for (int v = 0; v < VECTORS; v++) sum[r][j][v] = block_start(offset + GROUP * b + r);
+#pragma GCC unroll 4
     for (int step = 0; step < BLOCK / 4; step++, w += 64) {  // 4 bytes of K for 16 outputs a tile
       Sums wv[T][VECTORS];
       for (int j = 0; j < T; j++) {
@@ -47,16 +41,13 @@ inline void dot_rows(const Operands& o, int64_t row, int64_t t) {
           for (int v = 0; v < VECTORS; v++) sum[r][j][v] = dot(sum[r][j][v], wv[j][v], four);
       }
     }
-    for (int r = 0; r < R; r++)  // the reference's order: the block's scaled sum, then added
-      for (int j = 0; j < T; j++)
-        for (int v = 0; v < VECTORS; v++) acc[r][j][v] = add_block(acc[r][j][v], sum[r][j][v], sx[GROUP * b + r]);
   }
   for (int j = 0; j < T; j++)
     for (int v = 0; v < VECTORS; v++) {
       const int64_t n = TILE * (t + j) + TILE / VECTORS * v;
       if (n >= o.N) break;  // the tile's padding past N
       Floats out[R];
-      for (int r = 0; r < R; r++) out[r] = acc[r][j][v];
+      for (int r = 0; r < R; r++) out[r] = scaled(sum[r][j][v], o.x.scale[row + r]);
       finish<R>(o, row, n, out);
     }
 }

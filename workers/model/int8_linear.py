@@ -8,20 +8,24 @@ the model's dtype.
 
 The arithmetic, which `rqbatcher.kernels.native`'s int8 kernel (`native.int8_linear`, build `native.INT8`) implements
 as well, and `int8_linear_reference` in torch (the reference, and what runs where that kernel does not):
+- both operands rotated along K (`rotate`): zeros to whole blocks of ROTATION (64), in each block fixed signs
+  flipped, then the Hadamard transform's butterflies. The rotation is sqrt(64) times an orthogonal map, so the
+  rotated operands' dot products are 64 times the originals'; it spreads a few large activations over their block,
+  so that one scale per row fits every block of x (SmolLM2: +0.46% perplexity against +0.78% for x in blocks of 32
+  with a scale each, docs/benchmark-log.md), and the kernel's sums need no scaling per block;
 - weights symmetric per output channel, quantized once at load from the model's weights (in its dtype) widened to
-  float32: `wscale[n] = clip[n] / 127`, `qweight[n, k] = round_half_even(W[n, k] * (127 / clip[n]))` clamped to
-  [-127, 127], where `clip[n]` is the fraction of max_k |W[n, k]| (1 down to 0.76) of least squared error (a zero
-  row: scale 0, all 0);
-- activations per row, in blocks of QUANT_BLOCK along K (the last one may be shorter), at every call:
-  `sx[r, b] = amax / 127`, `qx = round(x * (127 / amax))` with `amax = max |x[r, block b]|` (below TINY, where
-  127 / amax would overflow float32: scale 0, all 0);
-- `y[r, n] = wscale[n] * sum_b sx[r, b] * float(sum_{k in b} qx[r, k] * qweight[n, k]) + bias[n]`, in float32.
-A block's integer dot product stays below 2**24 in magnitude (32 * 127 * 127), so the reference computes it exactly
-in float32 (any summation order gives the same bits) and then adds the blocks in order, one elementwise op each;
-the native kernel does the same operations in the same order, so both give the same bits. A row's output does not
-depend on the rows beside it (batch invariance), nor on the columns computed with it, so q, k and v (gate and up)
-can run as one call on one matrix (`joint_linear`, for the fused decoder). Where the kernel runs, a layer keeps its
-int8 weight only in the kernel's layout (`native.int8_pack`: 16 outputs' bytes side by side).
+  float32 and rotated, divided by 64 (`W'`): `wscale[n] = clip[n] / 127`, `qweight[n, k] = round_half_even(W'[n, k]
+  * (127 / clip[n]))` clamped to [-127, 127], where `clip[n]` is the fraction of max_k |W'[n, k]| (1 down to 0.76)
+  of least squared error (a zero row: scale 0, all 0);
+- activations per row, rotated in float32 at every call (`x'`): `sx[r] = amax / 127`, `qx = round(x' * (127 /
+  amax))` with `amax = max |x'[r]|` (below TINY, where 127 / amax would overflow float32: scale 0, all 0; a NaN or
+  an infinity: the row's outputs NaN);
+- `y[r, n] = float(sum_k qx[r, k] * qweight[n, k]) * sx[r] * wscale[n] + bias[n]`, each operation rounded in float32,
+  the integer sum exact (int32 in the kernel, float64 in the reference: any order gives the same integer), so both
+  give the same bits.
+A row's output does not depend on the rows beside it (batch invariance), nor on the columns computed with it, so q,
+k and v (gate and up) can run as one call on one matrix (`joint_linear`, for the fused decoder). Where the kernel
+runs, a layer keeps its int8 weight only in the kernel's layout (`native.int8_pack`: 16 outputs' bytes side by side).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from rqbatcher.workers.model.huge_pages import huge_page_buffer
 from rqbatcher.workers.model.packed_linear import JointLinear
 
 QUANT_MAX = 127  # symmetric: -127..127, never -128
-QUANT_BLOCK = 32  # activations' block along K: 32 * 127 * 127 < 2**24, exact in float32
+ROTATION = native.INT8_ROTATION  # the block along K that x and W are rotated in (`rotate`)
 # The least max |value| that a block or a weight row keeps (below: all 0), the kernel's: a smaller max overflowed
 # 127 / max (x * inf: NaN at a zero, so a block of subnormals made its row NaN)
 TINY = native.INT8_TINY
@@ -44,7 +48,7 @@ CLIP_RATIOS = tuple(1.0 - 0.01 * i for i in range(25))  # of a weight row's max 
 # float32 values of a weight quantized at once (1 MB): the clip search's temporaries stay in L2 and reuse their memory,
 # where chunks of 4,096 rows faulted in fresh pages at every operation (a 4,096 x 14,336 weight 8-9x the time)
 WEIGHT_CHUNK_ELEMENTS = 1 << 18
-CHUNK_ELEMENTS = 1 << 22  # of the reference's block sums [blocks, rows, columns] at once (16 MB)
+CHUNK_ELEMENTS = 1 << 22  # of the reference's float64 sums [rows, columns] at once (32 MB)
 COLUMN_CHUNK = 8192  # output columns the reference widens to float at once (an LM head has ~50k-150k)
 
 
@@ -64,12 +68,13 @@ def _scale_and_quantize(values: torch.Tensor, clip: torch.Tensor | None = None) 
     return quantized, torch.where(clip < TINY, 0.0, clip / QUANT_MAX)  # NaN stays NaN
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(`qweight` int8 [N, K] contiguous, `wscale` float32 [N]) of `weight [N, K]`, per output channel, each row
-    clipped where its squared error is least (`weight_clip`); a few rows at a time, widened to float32 apart."""
+    clipped where its squared error is least (`weight_clip`); a few rows at a time, widened to float32 apart. With
+    `rotated`, of the rows as `rotate` turns them (K then whole blocks of ROTATION): what the layers keep."""
     qweight, wscale = [], []
     for rows in weight.detach().split(max(1, WEIGHT_CHUNK_ELEMENTS // weight.shape[1])):
-        rows = rows.float()
+        rows = rotate(rows.float()) / ROTATION if rotated else rows.float()
         quantized, scale = _scale_and_quantize(rows, weight_clip(rows))
         qweight.append(quantized.to(torch.int8))
         wscale.append(scale)
@@ -93,16 +98,32 @@ def weight_clip(rows: torch.Tensor) -> torch.Tensor:
     return best
 
 
-def _blocks(values: torch.Tensor) -> torch.Tensor:
-    """`values [R, K]` as `[R, ceil(K / QUANT_BLOCK), QUANT_BLOCK]`, the last block padded with zeros."""
-    pad = -values.shape[1] % QUANT_BLOCK
-    padded = torch.nn.functional.pad(values, (0, pad)) if pad else values
-    return padded.reshape(values.shape[0], padded.shape[1] // QUANT_BLOCK, QUANT_BLOCK)
+def _signs(device: torch.device) -> torch.Tensor:
+    """The ROTATION signs (`native.INT8_SIGNS`: bit i set, value i of a block negated), as float32 +-1."""
+    return torch.tensor([-1.0 if native.INT8_SIGNS >> i & 1 else 1.0 for i in range(ROTATION)], device=device)
+
+
+def rotate(values: torch.Tensor) -> torch.Tensor:
+    """float32 `values [R, K]` rotated along K, as the native kernel rotates x: zeros to whole blocks of ROTATION,
+    then in each block the signs flipped (`_signs`) and the Hadamard transform's butterflies (values i and i + h
+    become their sum and difference, for h = 1, 2, 4 ... in turn): sqrt(ROTATION) times an orthogonal map, so
+    `rotate(x) . rotate(w) / ROTATION` is x . w (`quantize_weight` divides). Returns `[R, K']`, K' the whole blocks."""
+    rows, columns = values.shape
+    padded = torch.nn.functional.pad(values, (0, -columns % ROTATION))
+    count = padded.shape[1] // ROTATION
+    blocks = padded.view(rows, count, ROTATION) * _signs(values.device)
+    span = 1
+    while span < ROTATION:
+        pairs = blocks.view(rows, count, ROTATION // (2 * span), 2, span)
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        blocks = torch.stack((first + second, first - second), dim=-2)
+        span *= 2
+    return blocks.reshape(rows, count * ROTATION)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`qx` float32 [M, B, QUANT_BLOCK] of integers, `sx` float32 [M, B]) of float32 `x [M, K]`."""
-    return _scale_and_quantize(_blocks(x))
+    """(`qx` float32 [M, K'] of integers, `sx` float32 [M]) of float32 `x [M, K]`: rotated, then one scale a row."""
+    return _scale_and_quantize(rotate(x))
 
 
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
@@ -110,20 +131,16 @@ def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.
     """`y [M, N]` float32 of float32 `x [M, K]` by the arithmetic in the module's docstring, in torch."""
     rows, columns = x.shape[0], qweight.shape[0]
     qx, sx = quantize_activations(x.float())
-    qx = qx.transpose(0, 1).contiguous()  # [B, M, 32]
-    num_blocks = qx.shape[0]
+    qx = qx.double()  # integer dot products are exact in float64 whatever the order of their sums
     out = torch.empty(rows, columns, dtype=torch.float32, device=x.device)
     for n0 in range(0, columns, COLUMN_CHUNK):
         n1 = min(columns, n0 + COLUMN_CHUNK)
-        qw = _blocks(qweight[n0:n1].float()).permute(1, 2, 0).contiguous()  # [B, 32, n]
-        step = max(1, CHUNK_ELEMENTS // (num_blocks * (n1 - n0)))
+        qw = qweight[n0:n1].double().t()
+        step = max(1, CHUNK_ELEMENTS // (n1 - n0))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            sums = torch.bmm(qx[:, r0:r1], qw)  # [B, m, n]: exact integers
-            scales = sx[r0:r1]
-            acc = scales[:, :1] * sums[0]
-            for b in range(1, num_blocks):  # in block order, elementwise: the same bits at any row count
-                acc += scales[:, b : b + 1] * sums[b]
+            acc = (qx[r0:r1] @ qw).float()  # rounded once, as the kernel converts its int32 sums
+            acc *= sx[r0:r1, None]
             acc *= wscale[n0:n1]
             if bias is not None:
                 acc += bias[n0:n1]
@@ -172,9 +189,9 @@ class Int8Linear(torch.nn.Module):
     and output keep the model's dtype (computed in float32)."""
 
     def __init__(self, qweight: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None,
-                 on_native: bool | None = None) -> None:
+                 on_native: bool | None = None, in_features: int | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
+        self.out_features, self.in_features = qweight.shape[0], in_features or qweight.shape[1]
         self.on_native = native_int8(qweight.device) if on_native is None else on_native
         self.register_buffer("qweight", native.int8_pack(qweight) if self.on_native else qweight)
         self.register_buffer("wscale", wscale.float())
@@ -184,8 +201,9 @@ class Int8Linear(torch.nn.Module):
     def of(cls, module: torch.nn.Module, on_native: bool | None = None) -> Int8Linear:
         """The int8 copy of an `nn.Linear` (or transformers' `Conv1D`, whose weight is [in, out])."""
         weight = module.weight.detach()
-        qweight, wscale = quantize_weight(weight.t() if isinstance(module, Conv1D) else weight)
-        return cls(qweight, wscale, module.bias, on_native)
+        weight = weight.t() if isinstance(module, Conv1D) else weight
+        qweight, wscale = quantize_weight(weight, rotated=True)
+        return cls(qweight, wscale, module.bias, on_native, weight.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.qweight, self.wscale, self.bias, self.on_native)
@@ -249,8 +267,8 @@ def _stored_numel(rows: int, columns: int, on_native: bool) -> int:
     """How many bytes an int8 weight of `rows` x `columns` is kept in: in the native kernel's layout, both rounded
     up (to whole tiles of outputs, to whole blocks of K)."""
     if not on_native:
-        return rows * columns
-    return -(-rows // native.INT8_TILE) * native.INT8_TILE * -(-columns // QUANT_BLOCK) * QUANT_BLOCK
+        return rows * -(-columns // ROTATION) * ROTATION
+    return -(-rows // native.INT8_TILE) * native.INT8_TILE * -(-columns // ROTATION) * ROTATION
 
 
 def _one_matrix(parts: list[torch.Tensor]) -> torch.Tensor | None:
