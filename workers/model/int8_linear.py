@@ -41,8 +41,8 @@ from rqbatcher.workers.model.packed_linear import JointLinear
 
 QUANT_MAX = 127  # symmetric: -127..127, never -128
 ROTATION = native.INT8_ROTATION  # the block along K that x and W are rotated in (`rotate`)
-# The least max |value| that a block or a weight row keeps (below: all 0), the kernel's: a smaller max overflowed
-# 127 / max (x * inf: NaN at a zero, so a block of subnormals made its row NaN)
+# The least max |value| that a rotated row of x or a weight row keeps (below: all 0), the kernel's: a smaller max
+# overflowed 127 / max (x * inf: NaN at a zero, so a row of subnormals came out NaN)
 TINY = native.INT8_TINY
 CLIP_RATIOS = tuple(1.0 - 0.01 * i for i in range(25))  # of a weight row's max |w|, tried for its clip
 # float32 values of a weight quantized at once (1 MB): the clip search's temporaries stay in L2 and reuse their memory,
