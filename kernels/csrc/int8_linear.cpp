@@ -256,13 +256,15 @@ struct Operands {
 };
 
 namespace avx2 {
-// Rows of x per pass: 8 sums (of 2 rows: 4, and 4 accumulators, in AVX2's 16 registers). The compiler keeps some of
-// the 8 sums and every accumulator on the stack, yet at 4-512 rows 4 took 0.82-0.93x the time of 2 (AMD EPYC Zen 3,
-// whose int8 dots are bound by its multipliers from 4 rows; each load of W, and its xor, feeds twice the dots).
+// Rows of x per pass: 8 sums in AVX2's 16 registers. When x had a scale per block (and 8 float accumulators beside
+// the sums, some on the stack), at 4-512 rows 4 took 0.82-0.93x the time of 2 (AMD EPYC Zen 3, whose int8 dots are
+// bound by its multipliers from 4 rows; each load of W, and its xor, feeds twice the dots).
 constexpr int X_ROWS = 4;
 constexpr int VECTORS = 2;  // 8 outputs a vector
 constexpr int ONE_ROW_TILES = 4;  // 1.1-1.2x the pace of one at a time (AMD EPYC Zen 1), 8 sums in 16 registers
-constexpr int PASS_TILES = 3;  // a tile a pass at every row count
+// A tile a pass at every row count, as measured on its class: on a Zen 4 (AVX2 code), 3 tiles took 0.96x the time of
+// one at 64-512 rows after x's scale per row, unmeasured on an AVX2-only CPU.
+constexpr int PASS_TILES = 1;
 constexpr int PASS_ROWS = X_ROWS;
 using Sums = __m256i;
 using Floats = __m256;
@@ -308,15 +310,18 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 #endif
 namespace vnni {
-constexpr int X_ROWS = 8;   // 16 sums and accumulators of AVX-512's 32 registers
+// 8 sums of AVX-512's 32 registers; passes of 16 rows (and the rest in one exact pass) ran skew-small at 0.97-1.05x
+// the tokens/s (AMD EPYC Zen 4)
+constexpr int X_ROWS = 8;
 constexpr int VECTORS = 1;  // 16 outputs a vector
 // A tile at a time: one row streams W at the memory's pace (~26 GB/s, AMD EPYC Zen 4), where 4 tiles side by side
 // (no software prefetch) took 1.33-1.71x the time.
 constexpr int ONE_ROW_TILES = 1;
-// From PASS_TILES_MIN_ROWS rows, passes of 4 rows over 3 tiles (12 sums and accumulators): each broadcast of x feeds
+// From PASS_TILES_MIN_ROWS rows, passes of 4 rows over 3 tiles (12 sums): each broadcast of x feeds
 // 3 vpdpbusd, where the 8-row pass spent one broadcast a vpdpbusd. A prompt chunk's linears (512 rows) then took 0.83x
 // the time (5.4 against 4.5 G vpdpbusd/s, AMD EPYC Zen 5, which issues two a cycle); 2 tiles 0.85x; 8 rows over 2
-// tiles spilled the registers (1.2x).
+// tiles spilled the registers (1.2x). With x's scale per row, 8 rows over 3 tiles (24 sums) spilled too (1.7-1.8x),
+// and 4 rows over 4 tiles took 0.96-1.03x the time (Zen 4).
 constexpr int PASS_TILES = 3;
 constexpr int PASS_ROWS = 4;
 using Sums = __m512i;
@@ -536,7 +541,8 @@ inline void store_sums(int32_t (*sums)[TILE]) {
 template <bool FULL>
 inline void add_block(const int32_t (*sums)[TILE], int64_t count, __m512i* acc) {
 #pragma GCC unroll 16
-  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++) acc[r] = _mm512_add_epi32(acc[r], _mm512_load_si512(sums[r]));
+  for (int64_t r = 0; r < (FULL ? AMX_ROWS : count); r++)
+    acc[r] = _mm512_add_epi32(acc[r], _mm512_load_si512(sums[r]));
 }
 
 // y for x's rows [row, row + count) (count <= 16: the tiles are configured for it) and W's
