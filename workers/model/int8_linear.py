@@ -41,6 +41,8 @@ from rqbatcher.workers.model.packed_linear import JointLinear
 
 QUANT_MAX = 127  # symmetric: -127..127, never -128
 ROTATION = native.INT8_ROTATION  # the block along K that x and W are rotated in (`rotate`)
+# its signs (`native.INT8_SIGNS`: bit i set, value i of a block negated), as float32 +-1
+SIGNS = torch.tensor([-1.0 if native.INT8_SIGNS >> i & 1 else 1.0 for i in range(ROTATION)])
 # The least max |value| that a rotated row of x or a weight row keeps (below: all 0), the kernel's: a smaller max
 # overflowed 127 / max (x * inf: NaN at a zero, so a row of subnormals came out NaN)
 TINY = native.INT8_TINY
@@ -98,20 +100,15 @@ def weight_clip(rows: torch.Tensor) -> torch.Tensor:
     return best
 
 
-def _signs(device: torch.device) -> torch.Tensor:
-    """The ROTATION signs (`native.INT8_SIGNS`: bit i set, value i of a block negated), as float32 +-1."""
-    return torch.tensor([-1.0 if native.INT8_SIGNS >> i & 1 else 1.0 for i in range(ROTATION)], device=device)
-
-
 def rotate(values: torch.Tensor) -> torch.Tensor:
     """float32 `values [R, K]` rotated along K, as the native kernel rotates x: zeros to whole blocks of ROTATION,
-    then in each block the signs flipped (`_signs`) and the Hadamard transform's butterflies (values i and i + h
+    then in each block the signs flipped (SIGNS) and the Hadamard transform's butterflies (values i and i + h
     become their sum and difference, for h = 1, 2, 4 ... in turn): sqrt(ROTATION) times an orthogonal map, so
     `rotate(x) . rotate(w) / ROTATION` is x . w (`quantize_weight` divides). Returns `[R, K']`, K' the whole blocks."""
     rows, columns = values.shape
     padded = torch.nn.functional.pad(values, (0, -columns % ROTATION))
     count = padded.shape[1] // ROTATION
-    blocks = padded.view(rows, count, ROTATION) * _signs(values.device)
+    blocks = padded.view(rows, count, ROTATION) * SIGNS.to(values.device)
     span = 1
     while span < ROTATION:
         pairs = blocks.view(rows, count, ROTATION // (2 * span), 2, span)
