@@ -7,7 +7,8 @@
 // - `dot(sum, w, four)`: `sum` plus, in lane j, the exact dot of x's 4 bytes `four` with output j's 4 bytes of w;
 // - `scaled(sum, sx)`: the sums as fp32, times x's row scale sx;
 // - `finish<R>(o, row, n, acc)`: y's R rows from `row`, outputs n.. of one vector: acc * wscale + bias, stored.
-// - ONE_ROW_TILES: W's tiles that one row of x reads side by side, or 1: a tile at a time;
+// - ONE_ROW_TILES: W's tiles that one row of x reads side by side where `one_row_side_by_side()` (this CPU's cores
+//   stream W faster so), else a tile at a time;
 // - PASS_TILES, PASS_ROWS: the tiles and rows of x a pass takes from PASS_TILES_MIN_ROWS rows (else 1 and X_ROWS).
 // Every variant computes the same integer block sums and float operations per output, so they give the same bits.
 
@@ -83,17 +84,16 @@ inline void all_rows(const Operands& o, int64_t begin, int64_t end, int64_t t) {
 }
 
 // y for every row of x: threads split W's tiles, each tile met by ROW_CHUNK rows at a time. One row reads
-// ONE_ROW_TILES tiles side by side, with no software prefetch: one core of an AMD EPYC Zen 1 read W at ~6-7 GB/s as
-// one stream, with or without it, and at ~9-10 GB/s as 4-8 streams.
+// ONE_ROW_TILES tiles side by side where `one_row_side_by_side()`, with no software prefetch: one core of an AMD
+// EPYC Zen 1 read W at ~6-7 GB/s as one stream, with or without it, and at ~9-10 GB/s as 4-8 streams.
 inline void pass_over_w(const Operands& o, int64_t rows) {
+  const bool side_by_side = rows == 1 && one_row_side_by_side();
   at::parallel_for(0, (o.N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / TILE), [&](int64_t begin, int64_t end) {
-    if constexpr (ONE_ROW_TILES > 1) {
-      if (rows == 1) {
-        int64_t t = begin;
-        for (; t + ONE_ROW_TILES <= end; t += ONE_ROW_TILES) dot_rows<1, ONE_ROW_TILES, false>(o, 0, t);
-        for (; t < end; t++) all_rows<1>(o, 0, 1, t);
-        return;
-      }
+    if (side_by_side) {
+      int64_t t = begin;
+      for (; t + ONE_ROW_TILES <= end; t += ONE_ROW_TILES) dot_rows<1, ONE_ROW_TILES, false>(o, 0, t);
+      for (; t < end; t++) all_rows<1>(o, 0, 1, t);
+      return;
     }
     for (int64_t first = 0; first < rows; first += ROW_CHUNK) {
       const int64_t last = std::min(rows, first + ROW_CHUNK);
