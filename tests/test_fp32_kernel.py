@@ -66,6 +66,19 @@ def test_fp32_linear_matches_float64(rows, out_features, in_features, with_bias)
 
 
 @served_here
+@pytest.mark.parametrize("out_features", [5, 97, 576])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(out_features):
+    """A row alone (on an Intel CPU: W's rows read far apart, and the few left over) gives the bits it gets in a
+    pair, and beside an odd row out, at every row count: the contract batch invariance in fp32 rests on."""
+    generator = torch.Generator().manual_seed(out_features)
+    x = torch.randn(MAX_ROWS, 100, generator=generator)
+    weight, bias = torch.randn(out_features, 100, generator=generator), torch.randn(out_features, generator=generator)
+    alone = torch.cat([native.fp32_linear(x[r : r + 1], weight, bias) for r in range(MAX_ROWS)])
+    for rows in range(2, MAX_ROWS + 1):
+        assert torch.equal(native.fp32_linear(x[:rows], weight, bias), alone[:rows]), rows
+
+
+@served_here
 def test_leading_dimensions_and_a_strided_x_keep_their_shape():
     weight, bias = torch.randn(10, 24), torch.randn(10)
     x = torch.randn(2, 3, 48)[..., ::2]  # [2, 3, 24], not contiguous

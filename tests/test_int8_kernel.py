@@ -109,8 +109,8 @@ def test_it_gives_the_torch_references_bits(isa):
     """The same operations in the same order as the model's reference: the bits, not only the values, agree, for
     fp32 x and for bf16 x (whose result is the reference's rounded to bf16); one row over W's tiles side by side
     (AVX2's 4, VNNI's 12 on an Intel CPU) and the tiles left over."""
-    for rows, K, N in ((1, 576, 37), (1, 100, 64), (1, 576, 150), (1, 576, 467), (4, 64, 16), (5, 33, 9), (70, 300, 101),
-                       (130, 1536, 24), (3, 7, 5)):
+    for rows, K, N in ((1, 576, 37), (1, 100, 64), (1, 576, 150), (1, 576, 467), (4, 64, 16), (5, 33, 9),
+                       (70, 300, 101), (130, 1536, 24), (3, 7, 5)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + 2 * K + N)
         for b in (bias, None):
             assert torch.equal(kernel(x, qweight, wscale, b, isa), int8_linear_reference(x, qweight, wscale, b))
