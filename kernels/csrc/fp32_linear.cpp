@@ -32,10 +32,7 @@ constexpr int64_t GRAIN = 96;   // W's rows per task where torch runs several th
 // no software prefetch: side by side (6 rows of 2.3 KB: the same few pages) they read SmolLM2's weights at ~0.65x its
 // memory's pace, far apart in 0.82-0.86x the time (12 streams: 0.81x, 4: 0.89x; an Intel Xeon, Ice Lake: family 6
 // model 106). Unmeasured on AMD's cores, which keep them side by side.
-inline bool one_row_far_apart() {
-  static const bool intel = __builtin_cpu_is("intel");
-  return intel;
-}
+inline bool one_row_far_apart() { return batcher::intel_cpu(); }
 
 // y[r][n + j apart] for R rows of x (r < R) and W's rows n + j apart (j < WN): W's rows side by side (apart 1), or
 // far apart (`one_row_far_apart`).
