@@ -68,8 +68,9 @@ def test_fp32_linear_matches_float64(rows, out_features, in_features, with_bias)
 @served_here
 @pytest.mark.parametrize("out_features", [5, 97, 576])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(out_features):
-    """A row alone (on an Intel CPU: W's rows read far apart, and the few left over) gives the bits it gets in a
-    pair, and beside an odd row out, at every row count: the contract batch invariance in fp32 rests on."""
+    """A row alone gives the bits it gets in a pair, and beside an odd row out, at every row count (on an Intel CPU
+    W's rows are read far apart up to 16 rows of x, the few left over and more rows side by side): the contract
+    batch invariance in fp32 rests on."""
     generator = torch.Generator().manual_seed(out_features)
     x = torch.randn(MAX_ROWS, 100, generator=generator)
     weight, bias = torch.randn(out_features, 100, generator=generator), torch.randn(out_features, generator=generator)

@@ -28,14 +28,16 @@ constexpr int X_ROWS = 2;       // rows of x per pass over W_ROWS of W's rows: 1
 constexpr int W_ROWS = 6;       // W's rows read side by side (the best of 1 to 8, with 1 to 16 rows of x)
 constexpr int64_t GRAIN = 96;   // W's rows per task where torch runs several threads
 
-// One row of x on an Intel core reads W's rows W_ROWS at a time N / W_ROWS rows apart (as that many streams), with
-// no software prefetch: side by side (6 rows of 2.3 KB: the same few pages) they read SmolLM2's weights at ~0.65x its
-// memory's pace, far apart in 0.82-0.86x the time (12 streams: 0.81x, 4: 0.89x; an Intel Xeon, Ice Lake: family 6
-// model 106). Unmeasured on AMD's cores, which keep them side by side.
-inline bool one_row_far_apart() { return batcher::intel_cpu(); }
+// Up to FAR_APART_MAX_ROWS rows of x, an Intel core reads W's rows W_ROWS at a time N / W_ROWS rows apart (as that
+// many streams): side by side (6 rows of 2.3 KB: the same few pages) one row read SmolLM2's weights at ~0.65x its
+// memory's pace; far apart, with or without the software prefetch, in 0.82-0.86x the time (12 streams: 0.81x, 4:
+// 0.89x), 2 rows 0.86x, 4 0.73x, 8 0.90x, 16 0.82x (prefetched; 0.87-0.93x without), 32 1.1x (an Intel Xeon, Ice
+// Lake: family 6 model 106). Unmeasured on AMD's cores, which keep them side by side.
+constexpr int64_t FAR_APART_MAX_ROWS = 16;
+inline bool far_apart(int64_t rows) { return rows <= FAR_APART_MAX_ROWS && batcher::intel_cpu(); }
 
 // y[r][n + j apart] for R rows of x (r < R) and W's rows n + j apart (j < WN): W's rows side by side (apart 1), or
-// far apart (`one_row_far_apart`).
+// far apart (`far_apart`).
 template <int R, int WN>
 inline void dot_rows(const float* x, const float* w, int64_t K, float* y, int64_t N, const float* bias, int64_t n,
                      bool prefetch, int64_t apart = 1) {
@@ -43,10 +45,12 @@ inline void dot_rows(const float* x, const float* w, int64_t K, float* y, int64_
   for (int r = 0; r < R; r++)
     for (int j = 0; j < WN; j++) acc[r][j] = _mm256_setzero_ps();
   const float* w_row = w + n * K;
+  const int64_t next = apart == 1 ? WN : 1;  // the next pass's first row, from n
   auto step = [&](int64_t k, auto load) {
     __m256 wv[WN];
-    if (prefetch && k % 16 == 0) {  // the next WN rows' line at k (past W's end: a no-op)
-      for (int j = 0; j < WN; j++) _mm_prefetch(reinterpret_cast<const char*>(w_row + (WN + j) * K + k), _MM_HINT_T1);
+    if (prefetch && k % 16 == 0) {  // the next pass's rows' line at k (past W's end: a no-op)
+      for (int j = 0; j < WN; j++)
+        _mm_prefetch(reinterpret_cast<const char*>(w_row + (next + j * apart) * K + k), _MM_HINT_T1);
     }
     for (int j = 0; j < WN; j++) wv[j] = load(w_row + j * apart * K + k);
     for (int r = 0; r < R; r++) {
@@ -64,14 +68,15 @@ inline void dot_rows(const float* x, const float* w, int64_t K, float* y, int64_
     for (int j = 0; j < WN; j++) y[r * N + n + j * apart] = hsum(acc[r][j]) + (bias ? bias[n + j * apart] : 0.0f);
 }
 
-// Every row of x against W's rows n..n+WN-1, which stay in the cache between passes.
+// Every row of x against W's rows n + j apart (j < WN), which stay in the cache between passes.
 template <int WN>
 void all_rows(const float* x, int64_t rows, const float* w, int64_t K, float* y, int64_t N, const float* bias,
-              int64_t n) {
+              int64_t n, int64_t apart = 1) {
   int64_t r = 0;
-  for (; r + X_ROWS <= rows; r += X_ROWS) dot_rows<X_ROWS, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0);
+  for (; r + X_ROWS <= rows; r += X_ROWS)
+    dot_rows<X_ROWS, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
   static_assert(X_ROWS == 2, "one row is left at most");
-  if (r < rows) dot_rows<1, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0);
+  if (r < rows) dot_rows<1, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
 }
 
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
@@ -98,9 +103,9 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t apart = N / W_ROWS;
-  if (rows == 1 && apart > 0 && one_row_far_apart()) {
+  if (apart > 0 && far_apart(rows)) {
     at::parallel_for(0, apart, GRAIN / W_ROWS, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; n++) dot_rows<1, W_ROWS>(xp, wp, K, yp, N, b, n, false, apart);
+      for (int64_t n = begin; n < end; n++) all_rows<W_ROWS>(xp, rows, wp, K, yp, N, b, n, apart);
     });
     for (int64_t last = W_ROWS * apart; last < N; last++) all_rows<1>(xp, rows, wp, K, yp, N, b, last);
     return y;
