@@ -28,13 +28,14 @@ constexpr int X_ROWS = 2;       // rows of x per pass over W_ROWS of W's rows: 1
 constexpr int W_ROWS = 6;       // W's rows read side by side (the best of 1 to 8, with 1 to 16 rows of x)
 constexpr int64_t GRAIN = 96;   // W's rows per task where torch runs several threads
 
-// Up to FAR_APART_MAX_ROWS rows of x, an Intel core reads W's rows W_ROWS at a time N / W_ROWS rows apart (as that
-// many streams): side by side (6 rows of 2.3 KB: the same few pages) one row read SmolLM2's weights at ~0.65x its
-// memory's pace; far apart, with or without the software prefetch, in 0.82-0.86x the time (12 streams: 0.81x, 4:
-// 0.89x), 2 rows 0.86x, 4 0.73x, 8 0.90x, 16 0.82x (prefetched; 0.87-0.93x without), 32 1.1x (an Intel Xeon, Ice
-// Lake: family 6 model 106). Unmeasured on AMD's cores, which keep them side by side.
+// Up to FAR_APART_MAX_ROWS rows of x, where a core reads several streams faster than one (`lone_row_as_streams`),
+// W's rows are read W_ROWS at a time N / W_ROWS rows apart (as that many streams). Side by side (6 rows of 2.3 KB: the
+// same few pages) one row read SmolLM2's weights at ~0.65x an Intel Xeon's memory pace; far apart, with or without
+// the software prefetch, in 0.82-0.86x the time (12 streams: 0.81x, 4: 0.89x), 2 rows 0.86x, 4 0.73x, 8 0.90x, 16
+// 0.82x (prefetched; 0.87-0.93x without), 32 1.1x (Ice Lake: family 6 model 106). On an AMD EPYC Zen 1: 1 and 2 rows
+// 0.80-0.81x, 4 and 8 0.94-0.95x, 16 0.99x (its FMAs bind from 4 rows).
 constexpr int64_t FAR_APART_MAX_ROWS = 16;
-inline bool far_apart(int64_t rows) { return rows <= FAR_APART_MAX_ROWS && batcher::intel_cpu(); }
+inline bool far_apart(int64_t rows) { return rows <= FAR_APART_MAX_ROWS && batcher::lone_row_as_streams(); }
 
 // y[r][n + j apart] for R rows of x (r < R) and W's rows n + j apart (j < WN): W's rows side by side (apart 1), or
 // far apart (`far_apart`).

@@ -321,7 +321,7 @@ constexpr int VECTORS = 1;  // 16 outputs a vector
 // family 6 model 106); as 12 streams, 12 tiles side by side, in 0.77-0.82x the time (8: 0.80-0.87x, 16: 0.79-0.84x,
 // 24: 0.83-0.90x; 12 with the software prefetch too: 0.89x).
 constexpr int ONE_ROW_TILES = 12;  // 12 sums and 12 loads of W in AVX-512's 32 registers
-inline bool one_row_side_by_side() { return batcher::intel_cpu(); }
+inline bool one_row_side_by_side() { return batcher::lone_row_as_streams(); }
 // From PASS_TILES_MIN_ROWS rows, passes of 4 rows over 3 tiles (12 sums): each broadcast of x feeds
 // 3 vpdpbusd, where the 8-row pass spent one broadcast a vpdpbusd. A prompt chunk's linears (512 rows) then took 0.83x
 // the time (5.4 against 4.5 G vpdpbusd/s, AMD EPYC Zen 5, which issues two a cycle); 2 tiles 0.85x; 8 rows over 2
