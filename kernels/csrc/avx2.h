@@ -32,12 +32,17 @@ inline __m256 exp256_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));  // p * 2^n
 }
 
+inline bool intel_cpu() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 // Whether this CPU's cores read a lone row's weights faster as several streams in different pages than as one:
 // Intel's (an Intel Xeon, Ice Lake: 0.77-0.86x the time, kernels/csrc/int8_linear.cpp's VNNI variant and
 // fp32_linear.cpp) and AMD's without AVX-512 (an AMD EPYC Zen 1: fp32_linear.cpp 0.80x). AMD's with AVX-512, measured
 // on a Zen 4, read one stream at their memory's pace.
 inline bool lone_row_as_streams() {
-  static const bool streams = __builtin_cpu_is("intel") || !__builtin_cpu_supports("avx512f");
+  static const bool streams = intel_cpu() || !__builtin_cpu_supports("avx512f");
   return streams;
 }
 

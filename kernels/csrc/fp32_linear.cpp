@@ -28,14 +28,25 @@ constexpr int X_ROWS = 2;       // rows of x per pass over W_ROWS of W's rows: 1
 constexpr int W_ROWS = 6;       // W's rows read side by side (the best of 1 to 8, with 1 to 16 rows of x)
 constexpr int64_t GRAIN = 96;   // W's rows per task where torch runs several threads
 
-// Up to FAR_APART_MAX_ROWS rows of x, where a core reads several streams faster than one (`lone_row_as_streams`),
-// W's rows are read W_ROWS at a time N / W_ROWS rows apart (as that many streams). Side by side (6 rows of 2.3 KB: the
-// same few pages) one row read SmolLM2's weights at ~0.65x an Intel Xeon's memory pace; far apart, with or without
-// the software prefetch, in 0.82-0.86x the time (12 streams: 0.81x, 4: 0.89x), 2 rows 0.86x, 4 0.73x, 8 0.90x, 16
-// 0.82x (prefetched; 0.87-0.93x without), 32 1.1x (Ice Lake: family 6 model 106). On an AMD EPYC Zen 1: 1 and 2 rows
-// 0.80-0.81x, 4 and 8 0.94-0.95x, 16 0.99x (its FMAs bind from 4 rows).
+// How a call reads W, measured per class. Where a core reads several streams faster than one
+// (`lone_row_as_streams`), W's rows are read far apart: WN at a time, N / WN rows apart (as that many streams).
+// - Side by side (6 rows of 2.3 KB: the same few pages) one row read SmolLM2's weights at ~0.65x an Intel Xeon's
+//   memory pace; 6 rows far apart, with or without the software prefetch, in 0.82-0.86x the time (12 streams:
+//   0.81x, 4: 0.89x), 2 rows 0.86x, 4 0.73x, 8 0.90x, 16 0.82x (prefetched; 0.87-0.93x without), 32 1.1x (Ice Lake:
+//   family 6 model 106): FAR_APART_MAX_ROWS.
+// - On an AMD EPYC Zen 1 (no AVX-512), 6 rows far apart took 1 and 2 rows of x 0.80-0.81x the time, but a pass of 2
+//   rows over them read W from memory while a second pass found it in the cache, the two paces never overlapping
+//   (4 rows: 0.94x, 16: 0.99x). From 3 rows, 4 rows of x a pass over 3 of W's rows far apart (12 sums) read W once:
+//   3 rows 0.73x, 4 0.69x, 8 0.76x, 16 0.80x, 24 0.83x, 32 0.88x the time of 2 rows over 6 side by side (4 rows over
+//   3 side by side: 0.78-0.80x at 4-16; at one row 3 far apart took 1.06x the time of 6).
+enum class Order { side_by_side, far_apart, four_rows_far_apart };
 constexpr int64_t FAR_APART_MAX_ROWS = 16;
-inline bool far_apart(int64_t rows) { return rows <= FAR_APART_MAX_ROWS && batcher::lone_row_as_streams(); }
+constexpr int FOUR_ROWS_W_ROWS = 3;  // four_rows_far_apart's W rows a pass: 12 sums, 3 weight vectors, 1 of x
+inline Order order(int64_t rows) {
+  if (!batcher::lone_row_as_streams()) return Order::side_by_side;
+  if (batcher::intel_cpu()) return rows <= FAR_APART_MAX_ROWS ? Order::far_apart : Order::side_by_side;
+  return rows < 3 ? Order::far_apart : Order::four_rows_far_apart;
+}
 
 // y[r][n + j apart] for R rows of x (r < R) and W's rows n + j apart (j < WN): W's rows side by side (apart 1), or
 // far apart (`far_apart`).
@@ -69,15 +80,29 @@ inline void dot_rows(const float* x, const float* w, int64_t K, float* y, int64_
     for (int j = 0; j < WN; j++) y[r * N + n + j * apart] = hsum(acc[r][j]) + (bias ? bias[n + j * apart] : 0.0f);
 }
 
-// Every row of x against W's rows n + j apart (j < WN), which stay in the cache between passes.
-template <int WN>
+// Every row of x against W's rows n + j apart (j < WN), which stay in the cache between passes: XR rows of x a pass,
+// then the rest (fewer than XR) in one pass of 3, 2 or 1.
+template <int WN, int XR = X_ROWS>
 void all_rows(const float* x, int64_t rows, const float* w, int64_t K, float* y, int64_t N, const float* bias,
               int64_t n, int64_t apart = 1) {
   int64_t r = 0;
-  for (; r + X_ROWS <= rows; r += X_ROWS)
-    dot_rows<X_ROWS, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
-  static_assert(X_ROWS == 2, "one row is left at most");
-  if (r < rows) dot_rows<1, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
+  for (; r + XR <= rows; r += XR) dot_rows<XR, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
+  const int64_t left = rows - r;
+  if constexpr (XR > 3)
+    if (left == 3) dot_rows<3, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
+  if constexpr (XR > 2)
+    if (left == 2) dot_rows<2, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
+  if (left == 1) dot_rows<1, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
+}
+
+// Every row of x against W's rows WN at a time, N / WN rows apart; the rows left past them one at a time.
+template <int WN, int XR>
+void far_apart(const float* x, int64_t rows, const float* w, int64_t K, float* y, int64_t N, const float* bias) {
+  const int64_t apart = N / WN;
+  at::parallel_for(0, apart, GRAIN / WN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++) all_rows<WN, XR>(x, rows, w, K, y, N, bias, n, apart);
+  });
+  for (int64_t last = WN * apart; last < N; last++) all_rows<1, XR>(x, rows, w, K, y, N, bias, last);
 }
 
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
@@ -103,13 +128,15 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const float* xp = x2.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t apart = N / W_ROWS;
-  if (apart > 0 && far_apart(rows)) {
-    at::parallel_for(0, apart, GRAIN / W_ROWS, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; n++) all_rows<W_ROWS>(xp, rows, wp, K, yp, N, b, n, apart);
-    });
-    for (int64_t last = W_ROWS * apart; last < N; last++) all_rows<1>(xp, rows, wp, K, yp, N, b, last);
-    return y;
+  switch (order(rows)) {
+    case Order::far_apart:
+      far_apart<W_ROWS, X_ROWS>(xp, rows, wp, K, yp, N, b);
+      return y;
+    case Order::four_rows_far_apart:
+      far_apart<FOUR_ROWS_W_ROWS, 4>(xp, rows, wp, K, yp, N, b);
+      return y;
+    case Order::side_by_side:
+      break;
   }
   at::parallel_for(0, (N + W_ROWS - 1) / W_ROWS, GRAIN / W_ROWS, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; group++) {
