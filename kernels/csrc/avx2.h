@@ -32,6 +32,7 @@ inline __m256 exp256_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));  // p * 2^n
 }
 
+// Whether this CPU is Intel's: the far-apart reads' shape differs by vendor (fp32_linear.cpp's `order`).
 inline bool intel_cpu() {
   static const bool intel = __builtin_cpu_is("intel");
   return intel;

@@ -95,7 +95,7 @@ void all_rows(const float* x, int64_t rows, const float* w, int64_t K, float* y,
   if (left == 1) dot_rows<1, WN>(x + r * K, w, K, y + r * N, N, bias, n, r == 0, apart);
 }
 
-// Every row of x against W's rows WN at a time, N / WN rows apart; the rows left past them one at a time.
+// Every row of x against W's rows WN at a time, N / WN rows apart; W's rows left past them one at a time.
 template <int WN, int XR>
 void far_apart(const float* x, int64_t rows, const float* w, int64_t K, float* y, int64_t N, const float* bias) {
   const int64_t apart = N / WN;
