@@ -146,8 +146,8 @@ def test_bf16_x_gives_the_float_results_rounded_to_bf16(isa):
 @pytest.mark.parametrize("isa", VARIANTS[1:])  # none (skipped) on an AVX2-only CPU
 def test_every_wider_variant_gives_the_avx2_variants_bits(isa):
     """Rows in whole tiles of 16 and not, one block and many, K with a shorter last rotation block (shorter than
-    half a block too), W's tiles with padding, more rows than AMX's pass takes at once (256); fp32 and bf16 x, which
-    the wider variants rotate and quantize on 512-bit vectors."""
+    half a block too), W's tiles with padding, more rows than a pass over W takes at once (VNNI's 128, AMX's 256);
+    fp32 and bf16 x, which the wider variants rotate and quantize on 512-bit vectors."""
     for rows, K, N in ((1, 576, 37), (3, 100, 9), (7, 64, 12), (16, 32, 16), (17, 1536, 40), (70, 300, 101),
                        (130, 33, 5), (300, 96, 17), (5, 7, 3)):
         x, qweight, wscale, bias = operands(rows, K, N, seed=rows + K + N)

@@ -83,7 +83,6 @@ constexpr float TINY = INT8_TINY;  // kernels/build.py's INT8_TINY: the least am
 constexpr int ROTATION = INT8_ROTATION;  // kernels/build.py's INT8_ROTATION: the block x and W are rotated in
 static_assert(ROTATION == 64 && ROTATION % BLOCK == 0, "a rotation block is 8 AVX2 vectors, normalized by 1 / 8");
 constexpr uint64_t SIGNS = INT8_SIGNS;  // kernels/build.py's INT8_SIGNS: bit i negates value i of a block
-constexpr int64_t ROW_CHUNK = 64;   // rows of x per pass over W (their scratch: 64 * K bytes)
 // Bytes of W ahead that a tile's first pass asks L2 for, from 2 rows of x (a pass of several tiles: the same line of
 // the next tiles). Until 2026-12-06 a template parameter of the same name hid this constant in int8_tiles.h, so those
 // passes asked for the line they were reading: asked 8 KB ahead, 8-32 rows of SmolLM2's weights took 0.69-0.86x the
@@ -267,6 +266,7 @@ inline bool one_row_side_by_side() { return true; }
 // one at 64-512 rows after x's scale per row, unmeasured on an AVX2-only CPU.
 constexpr int PASS_TILES = 1;
 constexpr int PASS_ROWS = X_ROWS;
+constexpr int64_t ROW_CHUNK = 64;  // rows of x per pass over W (their scratch: 64 * K bytes, in L2)
 using Sums = __m256i;
 using Floats = __m256;
 inline Sums block_start(const int32_t*) { return _mm256_setzero_si256(); }
@@ -329,14 +329,23 @@ inline bool one_row_side_by_side() { return batcher::lone_row_as_streams(); }
 // and 4 rows over 4 tiles took 0.96-1.03x the time (Zen 4).
 constexpr int PASS_TILES = 3;
 constexpr int PASS_ROWS = 4;
+// Rows of x per pass over W (their scratch: 128 * K bytes, in L2): a weight larger than L2 is read from L3 once per
+// chunk. Against 64, a prompt chunk's linears (512 rows) took 0.98x the time in summarise runs (every call on both,
+// AMD EPYC Zen 5, 1 MB of L2); no change on a Zen 4 when x had a scale per block.
+constexpr int64_t ROW_CHUNK = 128;
 using Sums = __m512i;
 using Floats = __m512;
 inline Sums block_start(const int32_t* offset) {
   return _mm512_set1_epi32(*offset);  // takes back the 128 each packed byte carries
 }
 inline Sums load_w(const uint8_t* w) { return _mm512_loadu_si512(w); }  // u8: q + 128
+// Written as the intrinsic (_mm512_dpbusd_epi32), GCC 12 copied each sum to another register and back around its
+// vpdpbusd (~1 vmovdqa a vpdpbusd in the passes' loops); the asm adds in place. A prompt chunk's linears then took
+// 0.96x the time in summarise runs (AMD EPYC Zen 5, which issues two vpdpbusd a cycle).
 inline Sums dot(Sums sum, Sums packed, int32_t four) {
-  return _mm512_dpbusd_epi32(sum, packed, _mm512_set1_epi32(four));
+  const __m512i x = _mm512_set1_epi32(four);
+  asm("vpdpbusd %2, %1, %0" : "+v"(sum) : "v"(packed), "v"(x));  // sum += packed (u8) . x (s8), 4 bytes a lane
+  return sum;
 }
 inline Floats scaled(Sums sum, float sx) { return _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sx)); }
 // The first n of 16 lanes (none for n <= 0).
@@ -375,6 +384,12 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 inline __m512 load16(const float* x, int64_t left) { return _mm512_maskz_loadu_ps(first_lanes(left), x); }
 inline __m512 load16(const c10::BFloat16* x, int64_t left) {
   const __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(left), x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+// and 16 of them, all in x
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
@@ -418,7 +433,10 @@ void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r, float* rotat
   __m512i top = _mm512_setzero_si512();  // |value|'s bits: ordered as the values, a NaN's or infinity's the largest
   for (int64_t base = 0; base < out.stride; base += ROTATION) {
     __m512 v[4];
-    for (int i = 0; i < 4; i++) v[i] = load16(x + base + 16 * i, K - base - 16 * i);
+    if (base + ROTATION <= K)  // a whole block: plain loads, 0.91x the quantizer's time of masked ones (Zen 5)
+      for (int i = 0; i < 4; i++) v[i] = load16(x + base + 16 * i);
+    else
+      for (int i = 0; i < 4; i++) v[i] = load16(x + base + 16 * i, K - base - 16 * i);
     rotate_block(v);
     for (int i = 0; i < 4; i++) {
       _mm512_storeu_ps(rotated + base + 16 * i, v[i]);
@@ -475,7 +493,7 @@ void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r, float* rotat
 #endif
 namespace amx {
 constexpr int64_t W_BLOCK = TILE * BLOCK;  // bytes of one block of a packed tile
-// rows of x per pass over W here (their scratch: 256 * K bytes, in L2; the other variants' passes take 64), each
+// rows of x per pass over W here (their scratch: 256 * K bytes, in L2; AVX2's take 64, VNNI's 128), each
 // tile's signed copy made once per pass
 constexpr int64_t ROW_CHUNK = 256;
 // Groups of AMX_ROWS rows from which a call's tiles are signed first (`signed_tile`): on an Intel Xeon with AMX the

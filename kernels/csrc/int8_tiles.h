@@ -10,6 +10,7 @@
 // - ONE_ROW_TILES: W's tiles that one row of x reads side by side where `one_row_side_by_side()` (this CPU's cores
 //   stream W faster so), else a tile at a time;
 // - PASS_TILES, PASS_ROWS: the tiles and rows of x a pass takes from PASS_TILES_MIN_ROWS rows (else 1 and X_ROWS).
+// - ROW_CHUNK: the rows of x at most that meet W in one pass over it.
 // Every variant computes the same integer block sums and float operations per output, so they give the same bits.
 
 // y[r][16 t .. 16 (t + T)) for R rows of x from `row` (r < R) and W's T tiles from t, read side by side: each of x's
