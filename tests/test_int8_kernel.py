@@ -96,8 +96,9 @@ def test_int8_linear_matches_the_reference(rows, K, N, with_bias, isa):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_every_row_count_of_a_decode_step_gives_the_references_bits(isa):
-    """1 to 33 rows: passes of a variant's rows over a tile and their remainders (4, 2, 1), and from 32 rows passes
-    over three tiles (here 3: every tile in one); K of whole rotation blocks and a shorter last one."""
+    """1 to 33 rows: passes of a variant's rows over a tile and their remainders (AVX2: 4, 2, 1), or passes of their
+    exact count (VNNI: up to 16 each), and from 32 rows passes over three tiles (here 3: every tile in one); K of whole
+    rotation blocks and a shorter last one."""
     x, qweight, wscale, bias = operands(33, 200, 40, seed=17)
     for rows in range(1, 34):
         assert torch.equal(kernel(x[:rows], qweight, wscale, bias, isa),

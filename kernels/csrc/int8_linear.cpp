@@ -39,7 +39,7 @@
 // Order of the work: x's rows are rotated and quantized once per call into a scratch (int8 rows of K', a scale and
 // a sum per row: `Quantized`; on 512-bit vectors where the variant is an AVX-512 one: the same bits). W is streamed
 // once, a tile at a time, each block met by every row of x while it stays in the cache, X_ROWS rows of x at a time
-// (4 on AVX2, 8 on AVX-512; on AVX-512 a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES); ROW_CHUNK
+// (4 on AVX2; on AVX-512 up to 16, and a prompt chunk's rows 4 at a time against 3 tiles: PASS_TILES); ROW_CHUNK
 // rows at most per pass over W, so a prefill's scratch stays in L2. Threads split the tiles (at::parallel_for).
 // The pass over W is kernels/csrc/int8_tiles.h, included once per variant.
 //
@@ -259,6 +259,7 @@ namespace avx2 {
 // the sums, some on the stack), at 4-512 rows 4 took 0.82-0.93x the time of 2 (AMD EPYC Zen 3, whose int8 dots are
 // bound by its multipliers from 4 rows; each load of W, and its xor, feeds twice the dots).
 constexpr int X_ROWS = 4;
+constexpr bool EXACT_PASSES = false;  // passes of X_ROWS, the rest in halves
 constexpr int VECTORS = 2;  // 8 outputs a vector
 constexpr int ONE_ROW_TILES = 4;  // 1.1-1.2x the pace of one at a time (AMD EPYC Zen 1), 8 sums in 16 registers
 inline bool one_row_side_by_side() { return true; }
@@ -311,9 +312,14 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 #endif
 namespace vnni {
-// 8 sums of AVX-512's 32 registers; passes of 16 rows (and the rest in one exact pass) ran skew-small at 0.97-1.05x
-// the tokens/s (AMD EPYC Zen 4)
-constexpr int X_ROWS = 8;
+// A tile's rows (a decode step's, fewer than PASS_TILES_MIN_ROWS) in as few passes of up to 16 as hold them, each
+// of its exact count (EXACT_PASSES): one sum a row, so a pass keeps as many vpdpbusd independent as it has rows. Passes
+// of 8 and the rest in halves left 9-15 rows a pass over the cached tile of 1-4 rows, bound by its vpdpbusd's
+// latency: in skew-small runs (every call on both builds, both orders) calls of 9-12 rows then took 0.91x the time,
+// 13-16 rows 0.84x, 17-31 rows 0.95x (AMD EPYC Zen 5, two vpdpbusd a cycle). On a Zen 4 (one a cycle), when sums
+// were copied around each vpdpbusd, passes of 16 and the rest exact ran skew-small at 0.97-1.05x the tokens/s.
+constexpr int X_ROWS = 16;
+constexpr bool EXACT_PASSES = true;
 constexpr int VECTORS = 1;  // 16 outputs a vector
 // One row of x: on an AMD core a tile at a time streams W at the memory's pace (~26 GB/s, AMD EPYC Zen 4), where 4
 // tiles side by side (no software prefetch) took 1.33-1.71x the time. An Intel core read SmolLM2's weights as one

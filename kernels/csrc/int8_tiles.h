@@ -1,6 +1,7 @@
 // The int8 kernel's pass over the packed W, included once per instruction set (kernels/csrc/int8_linear.cpp): each
 // inclusion sits in a namespace of its own that first defines
-// - X_ROWS (rows of x per pass), VECTORS (vectors per tile of 16 outputs: 2 of 256 bits, or 1 of 512), and the
+// - X_ROWS (rows of x per pass over one tile, at most), EXACT_PASSES (a tile's rows in as few passes as hold them,
+//   each of its exact count; else passes of X_ROWS and the rest in halves), VECTORS (vectors per tile of 16 outputs: 2 of 256 bits, or 1 of 512), and the
 //   integer (`Sums`) and float (`Floats`) vector types;
 // - `block_start(offset)`: what a row's integer sums start from, given its offset (`Quantized`);
 // - `load_w(w)`: the packed vector at w, ready for `dot`;
@@ -75,9 +76,21 @@ inline void rest(const Operands& o, int64_t r, int64_t end, int64_t t, bool firs
   if constexpr (R > 1) rest<R / 2, T>(o, r, end, t, first_pass);
 }
 
+// The rows [row, row + rows) against tile t in one pass of exactly that many (at most R).
+template <int R>
+inline void exact_pass(const Operands& o, int64_t row, int64_t rows, int64_t t, bool first_pass) {
+  if (rows == R) return dot_tiles<R, 1>(o, row, t, first_pass);
+  if constexpr (R > 1) exact_pass<R - 1>(o, row, rows, t, first_pass);
+}
+
 // Rows [begin, end) of x against W's T tiles from t, which stay in the cache between passes.
 template <int T>
 inline void all_rows(const Operands& o, int64_t begin, int64_t end, int64_t t) {
+  if constexpr (T == 1 && EXACT_PASSES) {
+    const int64_t passes = (end - begin + X_ROWS - 1) / X_ROWS, each = (end - begin + passes - 1) / passes;
+    for (int64_t r = begin; r < end; r += each) exact_pass<X_ROWS>(o, r, std::min(each, end - r), t, r == begin);
+    return;
+  }
   constexpr int R = T == 1 ? X_ROWS : PASS_ROWS;
   int64_t r = begin;
   for (; r + R <= end; r += R) dot_tiles<R, T>(o, r, t, r == begin);
