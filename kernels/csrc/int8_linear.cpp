@@ -315,8 +315,8 @@ namespace vnni {
 // A tile's rows (a decode step's, fewer than PASS_TILES_MIN_ROWS) in as few passes of up to 16 as hold them, each
 // of its exact count (EXACT_PASSES): one sum a row, so a pass keeps as many vpdpbusd independent as it has rows. Passes
 // of 8 and the rest in halves left 9-15 rows a pass over the cached tile of 1-4 rows, bound by its vpdpbusd's
-// latency: in skew-small runs (every call on both builds, both orders) calls of 9-12 rows then took 0.91x the time,
-// 13-16 rows 0.84x, 17-31 rows 0.95x (AMD EPYC Zen 5, two vpdpbusd a cycle). On a Zen 4 (one a cycle), when sums
+// latency: in skew-small runs (every call on both builds, both orders) calls of 9-12 rows then took 0.88x the time,
+// 13-16 rows 0.85x, 17-32 rows 0.93x (AMD EPYC Zen 5, two vpdpbusd a cycle). On a Zen 4 (one a cycle), when sums
 // were copied around each vpdpbusd, passes of 16 and the rest exact ran skew-small at 0.97-1.05x the tokens/s.
 constexpr int X_ROWS = 16;
 constexpr bool EXACT_PASSES = true;

@@ -1,8 +1,8 @@
 // The int8 kernel's pass over the packed W, included once per instruction set (kernels/csrc/int8_linear.cpp): each
 // inclusion sits in a namespace of its own that first defines
 // - X_ROWS (rows of x per pass over one tile, at most), EXACT_PASSES (a tile's rows in as few passes as hold them,
-//   each of its exact count; else passes of X_ROWS and the rest in halves), VECTORS (vectors per tile of 16 outputs: 2 of 256 bits, or 1 of 512), and the
-//   integer (`Sums`) and float (`Floats`) vector types;
+//   each of its exact count; else passes of X_ROWS and the rest in halves), VECTORS (vectors per tile of 16
+//   outputs: 2 of 256 bits, or 1 of 512), and the integer (`Sums`) and float (`Floats`) vector types;
 // - `block_start(offset)`: what a row's integer sums start from, given its offset (`Quantized`);
 // - `load_w(w)`: the packed vector at w, ready for `dot`;
 // - `dot(sum, w, four)`: `sum` plus, in lane j, the exact dot of x's 4 bytes `four` with output j's 4 bytes of w;
