@@ -312,12 +312,13 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 #endif
 namespace vnni {
-// A tile's rows (a decode step's, fewer than PASS_TILES_MIN_ROWS) in as few passes of up to 16 as hold them, each
-// of its exact count (EXACT_PASSES): one sum a row, so a pass keeps as many vpdpbusd independent as it has rows. Passes
-// of 8 and the rest in halves left 9-15 rows a pass over the cached tile of 1-4 rows, bound by its vpdpbusd's
-// latency: in skew-small runs (every call on both builds, both orders) calls of 9-12 rows then took 0.88x the time,
-// 13-16 rows 0.85x, 17-32 rows 0.93x (AMD EPYC Zen 5, two vpdpbusd a cycle). On a Zen 4 (one a cycle), when sums
-// were copied around each vpdpbusd, passes of 16 and the rest exact ran skew-small at 0.97-1.05x the tokens/s.
+// A tile's rows, where a pass takes one tile (a decode step's, fewer than PASS_TILES_MIN_ROWS; a prompt chunk's tiles
+// left past PASS_TILES), in as few passes of up to 16 as hold them, each of its exact count (EXACT_PASSES): one sum a
+// row, so a pass keeps as many vpdpbusd independent as it has rows. Passes of 8 and the rest in halves left 9-15 rows a
+// pass over the cached tile of 1-4 rows, bound by its vpdpbusd's latency: in skew-small runs (every call on both
+// builds, both orders) calls of 9-12 rows then took 0.88x the time, 13-16 rows 0.85x, 17-32 rows 0.93x (AMD EPYC Zen 5,
+// two vpdpbusd a cycle). On a Zen 4 (one a cycle), when sums were copied around each vpdpbusd, passes of 16 and the
+// rest exact ran skew-small at 0.97-1.05x the tokens/s.
 constexpr int X_ROWS = 16;
 constexpr bool EXACT_PASSES = true;
 constexpr int VECTORS = 1;  // 16 outputs a vector
@@ -386,16 +387,14 @@ inline void finish(const Operands& o, int64_t row, int64_t n, const Floats* acc)
 }
 #include "int8_tiles.h"
 
-// 16 of x's values as fp32 (zeros past `left`); bf16 widens exactly.
-inline __m512 load16(const float* x, int64_t left) { return _mm512_maskz_loadu_ps(first_lanes(left), x); }
-inline __m512 load16(const c10::BFloat16* x, int64_t left) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(left), x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// 16 of x's values as fp32 (zeros past `left`); bf16 widens exactly. A whole vector loads without a mask, as `load8`
+// does: the quantizer on bf16 x then took 0.89-0.93x the time (AMD EPYC Zen 5).
+inline __m512 load16(const float* x, int64_t left) {
+  return left >= 16 ? _mm512_loadu_ps(x) : _mm512_maskz_loadu_ps(first_lanes(left), x);
 }
-// and 16 of them, all in x
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+inline __m512 load16(const c10::BFloat16* x, int64_t left) {
+  const __m256i bits = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))
+                                  : _mm256_maskz_loadu_epi16(first_lanes(left), x);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
@@ -439,10 +438,7 @@ void quantize_row(const T* x, int64_t K, Quantized& out, int64_t r, float* rotat
   __m512i top = _mm512_setzero_si512();  // |value|'s bits: ordered as the values, a NaN's or infinity's the largest
   for (int64_t base = 0; base < out.stride; base += ROTATION) {
     __m512 v[4];
-    if (base + ROTATION <= K)  // a whole block: plain loads, 0.91x the quantizer's time of masked ones (Zen 5)
-      for (int i = 0; i < 4; i++) v[i] = load16(x + base + 16 * i);
-    else
-      for (int i = 0; i < 4; i++) v[i] = load16(x + base + 16 * i, K - base - 16 * i);
+    for (int i = 0; i < 4; i++) v[i] = load16(x + base + 16 * i, K - base - 16 * i);
     rotate_block(v);
     for (int i = 0; i < 4; i++) {
       _mm512_storeu_ps(rotated + base + 16 * i, v[i]);
